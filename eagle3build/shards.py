@@ -1,0 +1,308 @@
+"""On-disk shard formats (see docs/DESIGN.md and docs/FORMAT.md).
+
+All shards are safetensors files. Samples are packed back to back without padding; `cu_seqlens`
+delimits them. Hidden shards are large (8·H bytes per token in bf16), so they are written by a
+streaming writer that lays out the safetensors header first and then writes rows at their offsets,
+in any order, from a background thread — the file is renamed into place only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import FORMAT_VERSIONS
+from .atomic import atomic_path, save_safetensors_atomic
+from .errors import UserError
+
+TOKENS_FORMAT = "eagle3build.tokens"
+HIDDEN_FORMAT = "eagle3build.hidden"
+COUNTS_FORMAT = "eagle3build.counts"
+
+NUM_SLOTS = 4  # three aux layers + the final (pre-norm) stream
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32",
+              torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.float16: "F16"}
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def _meta_str(meta: dict) -> dict[str, str]:
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+def _meta_parse(meta: dict[str, str]) -> dict:
+    out = {}
+    for k, v in (meta or {}).items():
+        try:
+            out[k] = json.loads(v)
+        except (json.JSONDecodeError, TypeError):
+            out[k] = v
+    return out
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """Read only the metadata header of a shard (cheap even for a 10 GB file)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return _meta_parse(f.metadata())
+    except Exception as e:  # safetensors raises several types for corrupt headers
+        raise UserError(f"{path}: not a readable safetensors shard ({e}); delete it and rerun to rebuild it") from e
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if lengths:
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    return cu
+
+
+def _check_format(path, meta: dict, expected: str) -> None:
+    fmt = meta.get("format")
+    if fmt != expected:
+        raise UserError(f"{path}: expected a '{expected}' shard, found format '{fmt}'")
+
+
+# ---------------------------------------------------------------- token shards
+@dataclass
+class TokenShard:
+    input_ids: torch.Tensor  # int32 [N]
+    loss_mask: torch.Tensor  # uint8 [N]
+    cu_seqlens: torch.Tensor  # int64 [S+1]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
+        return self.input_ids[a:b], self.loss_mask[a:b]
+
+
+def write_tokens(path, input_ids: list, loss_masks: list, meta: dict) -> None:
+    lengths = [len(x) for x in input_ids]
+    ids = torch.cat([torch.as_tensor(x, dtype=torch.int32) for x in input_ids]) if input_ids else torch.zeros(0, dtype=torch.int32)
+    mask = torch.cat([torch.as_tensor(m, dtype=torch.uint8) for m in loss_masks]) if loss_masks else torch.zeros(0, dtype=torch.uint8)
+    full = {"format": TOKENS_FORMAT, "format_version": FORMAT_VERSIONS["tokens"],
+            "num_samples": len(lengths), "num_tokens": int(sum(lengths)), **meta}
+    save_safetensors_atomic(path, {"input_ids": ids, "loss_mask": mask, "cu_seqlens": _cu_seqlens(lengths)}, _meta_str(full))
+
+
+def read_tokens(path) -> TokenShard:
+    meta = read_meta(path)
+    _check_format(path, meta, TOKENS_FORMAT)
+    with safe_open(str(path), framework="pt") as f:
+        return TokenShard(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("cu_seqlens"), meta)
+
+
+# ---------------------------------------------------------------- hidden shards
+@dataclass
+class HiddenShard(TokenShard):
+    hidden: torch.Tensor = None  # [N, 4, H] dequantized
+
+    def sample(self, i: int):  # type: ignore[override]
+        a, b = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
+        return self.input_ids[a:b], self.loss_mask[a:b], self.hidden[a:b]
+
+
+def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [..., H] float -> (e4m3 [..., H], fp32 scale [...]) with one scale per row."""
+    rows = rows.float()
+    amax = rows.abs().amax(dim=-1).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (rows / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+
+
+def read_hidden(path, dtype: torch.dtype = torch.float32, device="cpu") -> HiddenShard:
+    meta = read_meta(path)
+    _check_format(path, meta, HIDDEN_FORMAT)
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            names = set(f.keys())
+            hidden = f.get_tensor("hidden")
+            if "hidden_scale" in names:
+                hidden = dequantize_fp8(hidden, f.get_tensor("hidden_scale"), dtype)
+            else:
+                hidden = hidden.to(dtype)
+            return HiddenShard(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("cu_seqlens"),
+                               meta, hidden=hidden)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{path}: corrupted hidden-state shard ({e}); delete it and rerun to rebuild it") from e
+
+
+class HiddenShardWriter:
+    """Stream a hidden shard to disk: header first, then rows at their offsets from a writer thread.
+
+    `write(offset, rows)` enqueues rows [n, 4, H] (any float dtype, CPU or GPU: the copy to host and the
+    fp8 quantisation happen on the writer thread) for tokens [offset, offset+n). `close()` waits for the
+    queue, checks every token was written, fsyncs and renames the file into place. `abort()` (or an
+    exception inside a `with` block) removes the temp file.
+    """
+
+    def __init__(self, path, input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+                 hidden_size: int, storage_dtype: str, meta: dict, queue_depth: int = 8):
+        if storage_dtype not in STORAGE_DTYPES:
+            raise UserError(f"storage dtype '{storage_dtype}' is not one of {sorted(STORAGE_DTYPES)}")
+        self.path = Path(path)
+        self.num_tokens = n = int(input_ids.numel())
+        self.hidden_size = hidden_size
+        self.fp8 = storage_dtype == "fp8"
+        self.dtype = STORAGE_DTYPES[storage_dtype]
+        full_meta = {"format": HIDDEN_FORMAT, "format_version": FORMAT_VERSIONS["hidden"],
+                     "num_tokens": n, "num_samples": int(len(cu_seqlens) - 1), "hidden_size": hidden_size,
+                     "storage_dtype": storage_dtype, "final_norm": "pre", **meta}
+        small = {"input_ids": input_ids.to(torch.int32).contiguous(), "loss_mask": loss_mask.to(torch.uint8).contiguous(),
+                 "cu_seqlens": cu_seqlens.to(torch.int64).contiguous()}
+        layout = [(k, v.dtype, list(v.shape)) for k, v in small.items()]
+        if self.fp8:
+            layout.append(("hidden_scale", torch.float32, [n, NUM_SLOTS]))
+        layout.append(("hidden", self.dtype, [n, NUM_SLOTS, hidden_size]))
+        header, offsets, pos = {}, {}, 0
+        for name, dt, shape in layout:
+            nbytes = dt.itemsize
+            for s in shape:
+                nbytes *= s
+            header[name] = {"dtype": _ST_DTYPES[dt], "shape": shape, "data_offsets": [pos, pos + nbytes]}
+            offsets[name] = pos
+            pos += nbytes
+        header["__metadata__"] = _meta_str(full_meta)
+        hjson = json.dumps(header, separators=(",", ":")).encode()
+        hjson += b" " * (-len(hjson) % 8)
+        self._data_start = 8 + len(hjson)
+        self._offsets = offsets
+        self.total_bytes = self._data_start + pos
+        self._row_bytes = NUM_SLOTS * hidden_size * self.dtype.itemsize
+        self._ctx = atomic_path(self.path)
+        self._tmp = self._ctx.__enter__()
+        self._fd = os.open(self._tmp, os.O_WRONLY)
+        os.ftruncate(self._fd, self.total_bytes)
+        os.pwrite(self._fd, struct.pack("<Q", len(hjson)) + hjson, 0)
+        for name, t in small.items():
+            os.pwrite(self._fd, t.numpy().tobytes(), self._data_start + offsets[name])
+        self._written = torch.zeros(n, dtype=torch.bool)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                offset, rows = item
+                self._write_now(offset, rows)
+            except BaseException as e:  # reported on close()
+                self._error = e
+
+    def _write_now(self, offset: int, rows: torch.Tensor) -> None:
+        rows = rows.detach()
+        n = rows.shape[0]
+        if self.fp8:
+            q, scale = quantize_fp8(rows)
+            q, scale = q.cpu(), scale.cpu().contiguous()
+            os.pwrite(self._fd, scale.numpy().tobytes(), self._data_start + self._offsets["hidden_scale"] + offset * NUM_SLOTS * 4)
+            data = q.contiguous().view(torch.uint8)
+        else:
+            data = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
+        os.pwrite(self._fd, data.numpy().tobytes(), self._data_start + self._offsets["hidden"] + offset * self._row_bytes)
+        self._written[offset:offset + n] = True
+
+    def write(self, offset: int, rows: torch.Tensor) -> None:
+        if rows.dim() != 3 or rows.shape[1:] != (NUM_SLOTS, self.hidden_size):
+            raise ValueError(f"rows must be [n, {NUM_SLOTS}, {self.hidden_size}], got {tuple(rows.shape)}")
+        if offset < 0 or offset + rows.shape[0] > self.num_tokens:
+            raise ValueError(f"rows [{offset}, {offset + rows.shape[0]}) outside the shard's {self.num_tokens} tokens")
+        if self._error is not None:
+            raise self._error
+        self._queue.put((offset, rows))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+            missing = int((~self._written).sum())
+            if missing:
+                raise RuntimeError(f"{self.path}: {missing} of {self.num_tokens} token rows were never written")
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            self._ctx.__exit__(None, None, None)
+        except BaseException as e:
+            self._abort_files(e)
+            raise
+
+    def _abort_files(self, exc: BaseException | None = None) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        exc = exc or RuntimeError("aborted")
+        try:
+            self._ctx.__exit__(type(exc), exc, None)
+        except BaseException:
+            pass
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            self._abort_files()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if et is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+# ---------------------------------------------------------------- count shards
+def write_counts(path, counts: torch.Tensor, meta: dict) -> None:
+    full = {"format": COUNTS_FORMAT, "format_version": FORMAT_VERSIONS["vocab"], "vocab_size": int(counts.numel()), **meta}
+    save_safetensors_atomic(path, {"counts": counts.to(torch.int64)}, _meta_str(full))
+
+
+def read_counts(path) -> tuple[torch.Tensor, dict]:
+    meta = read_meta(path)
+    _check_format(path, meta, COUNTS_FORMAT)
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("counts"), meta
+
+
+def hidden_bytes_per_token(hidden_size: int, storage_dtype: str) -> int:
+    """Bytes a hidden shard stores per token (states + ids + mask (+ fp8 scales))."""
+    if storage_dtype == "fp8":
+        return NUM_SLOTS * hidden_size + NUM_SLOTS * 4 + 5
+    return NUM_SLOTS * hidden_size * 2 + 5
