@@ -1,0 +1,82 @@
+"""Config: validation against the JSON schema and values resolved from the target's own config.
+
+The Snakefile validates with `snakemake.utils.validate` (which also fills defaults); tools that run
+outside Snakemake (`doctor`, `prepare show`) call `load_config` for the same result.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import ConfigError, UserError
+
+SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+
+def load_config(path: str | Path) -> dict:
+    import yaml
+    from snakemake.utils import validate
+
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({e})") from e
+    validate_config(config, validate)
+    return config
+
+
+def validate_config(config: dict, validate) -> None:
+    """Validate (and fill defaults), turning the validator's dump into a message naming the key."""
+    try:
+        validate(config, str(SCHEMA))
+    except Exception as e:
+        cause = e.__cause__ or e
+        key = "/".join(str(p) for p in getattr(cause, "absolute_path", [])) or "(top level)"
+        msg = getattr(cause, "message", str(cause)).splitlines()[0]
+        raise ConfigError(key.replace("/", "."), f"{msg} (see schemas/config.schema.yaml)") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from e
+
+
+@lru_cache(maxsize=8)
+def _target_config(path: str, revision: str | None, trust_remote_code: bool) -> dict:
+    local = Path(path) / "config.json"
+    if local.is_file():
+        return _read_json(local)
+    if Path(path).exists():
+        raise UserError(f"config key 'target.model': {path} has no config.json")
+    from transformers import AutoConfig  # a hub id: resolved through the local HF cache
+
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code).to_dict()
+    except Exception as e:
+        raise UserError(f"config key 'target.model': cannot read the config of '{path}' ({e}). For a local "
+                        f"model give its folder; run `make setup` to build the default model") from e
+
+
+def target_text_config(target: dict) -> dict:
+    """The text model's config (multimodal configs nest it under text_config)."""
+    cfg = _target_config(str(target["path"]), target.get("revision"), bool(target.get("trust_remote_code")))
+    return cfg.get("text_config") or cfg
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers (2, N//2, N-3), shared by the reference code, vLLM and SGLang."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_aux_layer_ids(target: dict, configured: list[int] | None) -> list[int]:
+    n = int(target_text_config(target)["num_hidden_layers"])
+    ids = list(configured) if configured else default_aux_layer_ids(n)
+    if len(ids) != 3 or sorted(set(ids)) != ids or not all(0 <= i < n for i in ids):
+        raise ConfigError("extract.aux_layer_ids", f"{ids} must be three increasing layer ids in [0, {n - 1}] "
+                          f"for this {n}-layer target (default {default_aux_layer_ids(n)})")
+    return ids

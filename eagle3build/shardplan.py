@@ -1,0 +1,39 @@
+"""How many shards each dataset has, known when the DAG is built (so `snakemake -n` lists every job).
+
+Counting a large JSONL takes seconds, and the Snakefile is parsed on every `make` call, so counts are
+cached under output_root, keyed by the file's path, size and mtime (and format/split).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from .atomic import write_json_atomic
+
+
+def _fingerprint(path: str, fmt: str, split: str | None) -> str:
+    key = {"path": path, "format": fmt, "split": split}
+    p = Path(path)
+    if p.exists():
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        key["files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return json.dumps(key, sort_keys=True)
+
+
+def record_count(path: str, fmt: str, split: str | None, cache_dir: str) -> int:
+    from .formats import count_records
+
+    cache_file = Path(cache_dir) / "record-counts.json"
+    cache = {}
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        cache = json.loads(cache_file.read_text())
+    key = _fingerprint(path, fmt, split)
+    if key not in cache:
+        cache[key] = count_records(path, fmt, split)
+        with contextlib.suppress(OSError):  # a read-only tree still plans, just without the cache
+            os.makedirs(cache_dir, exist_ok=True)
+            write_json_atomic(cache_file, cache, indent=None)
+    return int(cache[key])

@@ -1,0 +1,70 @@
+"""Draft vocabulary: count loss-masked token ids per shard, merge, keep the top K.
+
+Counting runs per token shard (cheap, parallel, and independent of K), so changing the draft vocab
+size only reruns the merge. The mapping follows EAGLE-3 exactly: top K ids by count (ties by lower id),
+padded with the lowest unused ids when fewer than K ids were seen, sorted ascending;
+`d2t[i] = kept[i] - i` (an offset: target_id = draft_id + d2t[draft_id]), `t2d[v]` true for kept ids.
+K >= V gives the identity mapping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .atomic import save_safetensors_atomic, write_json_atomic
+from .errors import UserError
+from .shards import read_counts, read_tokens, write_counts
+
+
+def count_shard(tokens_path: str, out_path: str, vocab_size: int) -> int:
+    shard = read_tokens(tokens_path)
+    ids = shard.input_ids[shard.loss_mask.bool()].long()
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise UserError(f"{tokens_path}: token id {int(ids.max())} is outside the target vocab of {vocab_size}; "
+                        f"the shard was tokenized for another model — delete it and rerun")
+    counts = torch.bincount(ids, minlength=vocab_size)
+    write_counts(out_path, counts, {"tokens": tokens_path})
+    return int(ids.numel())
+
+
+def select_vocab(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """Kept target ids, ascending: top-k by count (ties by id), padded with the lowest unused ids."""
+    v = counts.numel()
+    if k >= v:
+        return torch.arange(v)
+    # Stable sort on -count keeps the lower id first among equal counts.
+    order = torch.sort(-counts, stable=True).indices
+    seen = order[counts[order] > 0][:k]
+    if seen.numel() < k:
+        unused = torch.ones(v, dtype=torch.bool)
+        unused[seen] = False
+        seen = torch.cat([seen, torch.nonzero(unused).flatten()[: k - seen.numel()]])
+    return torch.sort(seen).values
+
+
+def build_mapping(count_paths: list[str], out_mapping: str, out_report: str, draft_vocab_size: int,
+                  vocab_size: int) -> dict:
+    total = torch.zeros(vocab_size, dtype=torch.int64)
+    for path in count_paths:
+        counts, meta = read_counts(path)
+        if counts.numel() != vocab_size:
+            raise UserError(f"{path}: counts over a vocab of {counts.numel()}, but the target's vocab is "
+                            f"{vocab_size}; the shard belongs to another model — delete it and rerun")
+        total += counts
+    if int(total.sum()) == 0:
+        raise UserError(f"no loss-masked tokens in {len(count_paths)} shard(s): the training set is empty "
+                        f"(see the tokens/*.json reports for why samples were dropped)")
+    k = min(draft_vocab_size, vocab_size)
+    kept = select_vocab(total, k)
+    d2t = kept - torch.arange(k)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    covered = int(total[kept].sum())
+    report = {"draft_vocab_size": k, "vocab_size": vocab_size, "identity": k == vocab_size,
+              "tokens_counted": int(total.sum()), "distinct_tokens_seen": int((total > 0).sum()),
+              "coverage": covered / int(total.sum()), "shards": len(count_paths)}
+    save_safetensors_atomic(out_mapping, {"d2t": d2t.to(torch.int64), "t2d": t2d},
+                            {"format": "eagle3build.vocab", "draft_vocab_size": str(k), "vocab_size": str(vocab_size),
+                             "coverage": f"{report['coverage']:.6f}"})
+    write_json_atomic(out_report, report)
+    return report

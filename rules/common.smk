@@ -1,0 +1,88 @@
+# Config validation, resolved values and small helpers shared by every rule.
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, workflow.basedir)
+
+from eagle3build import FORMAT_VERSIONS
+from eagle3build.config import resolve_aux_layer_ids, target_text_config, validate_config
+from eagle3build.shardplan import record_count
+
+
+validate_config(config, validate)
+
+OUT = config["output_root"].rstrip("/")
+RUN_DIR = f"{OUT}/.run"  # servers' state files, locks and logs; never an output
+
+
+wildcard_constraints:
+    ds="[^/]+",
+    shard=r"\d{5}",
+    evalset="[^/]+",
+
+
+# ---- the target, as every rule that loads it sees it (all of it goes through params:)
+TARGET = {
+    "path": config["target"]["model"],
+    "revision": config["target"]["revision"],
+    "trust_remote_code": config["target"]["trust_remote_code"],
+    "chat_template": config["target"]["chat_template"],
+    "dtype": config["target"]["dtype"],
+}
+TARGET_CFG = target_text_config(TARGET)
+VOCAB_SIZE = int(TARGET_CFG["vocab_size"])
+AUX_LAYER_IDS = resolve_aux_layer_ids(TARGET, config["extract"]["aux_layer_ids"])
+# Image tag@digest: a new image re-extracts (snakemake only hashes containers under --sdm apptainer).
+IMAGE = config["extract"]["image"] or os.environ.get("EAGLE3_IMAGE", "")
+
+
+# ---- datasets and their shards (counts are known when the DAG is built: the dry-run shows every job)
+def _shard_count(ds):
+    n = record_count(ds["path"], ds["format"], ds["split"], cache_dir=f"{OUT}/.cache")
+    if ds["max_samples"]:
+        n = min(n, ds["max_samples"])
+    return max(1, math.ceil(n / config["prepare"]["shard_size"]))
+
+
+DATASETS = {}
+for _i, _ds in enumerate(config["datasets"]):
+    if _ds["name"] in DATASETS:
+        raise ValueError(f"config key 'datasets[{_i}].name': '{_ds['name']}' is used twice; names must be unique")
+    DATASETS[_ds["name"]] = {**_ds, "index": _i, "shards": [f"{s:05d}" for s in range(_shard_count(_ds))]}
+
+
+def shard_paths(stage, ext, datasets=None):
+    return [
+        f"{OUT}/{stage}/{name}/{shard}.{ext}"
+        for name in (datasets or DATASETS)
+        for shard in DATASETS[name]["shards"]
+    ]
+
+
+def conversations_for(wildcards):
+    """Token shards read regenerated conversations where the dataset asks for them."""
+    stage = "regen" if DATASETS[wildcards.ds]["regenerate"] else "data"
+    return f"{OUT}/{stage}/{wildcards.ds}/{wildcards.shard}.jsonl"
+
+
+def local_file(path):
+    """Inputs that are files of ours are tracked; hf: ids and hub models are not files."""
+    return [path] if path and not str(path).startswith("hf:") and Path(path).exists() else []
+
+
+def final_targets():
+    targets = [f"{OUT}/vocab/mapping.safetensors", f"{OUT}/export/eagle3/config.json"]
+    targets += [f"{OUT}/eval/{name}.json" for name in EVAL_SETS]
+    return targets
+
+
+EVAL_SETS = {s["name"]: s for s in config["evaluate"]["sets"]}
+
+
+def stop_extraction_servers():
+    from eagle3build.extract import stop_servers
+
+    stop_servers(RUN_DIR)

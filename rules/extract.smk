@@ -1,0 +1,25 @@
+# extract: one job per shard stores the target's aux + final hidden states.
+# Only what changes the stored bytes is a param (model, revision, layers, dtypes, backend, image,
+# format version); batch sizes, devices and server settings are read from config by the script
+# because changing them must not redo hours of extraction.
+
+
+rule extract:
+    input:
+        tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
+    output:
+        hidden=f"{OUT}/hidden/{{ds}}/{{shard}}.safetensors",
+    params:
+        target={k: TARGET[k] for k in ("path", "revision", "trust_remote_code", "dtype")},
+        backend=config["extract"]["backend"],
+        storage_dtype=config["extract"]["storage_dtype"],
+        aux_layer_ids=AUX_LAYER_IDS,
+        image=IMAGE,
+        version=FORMAT_VERSIONS["hidden"],
+        run_dir=RUN_DIR,
+    resources:
+        gpu=1,
+    log:
+        f"{OUT}/logs/extract/{{ds}}/{{shard}}.log",
+    script:
+        "../scripts/extract.py"

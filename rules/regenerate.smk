@@ -1,0 +1,23 @@
+# regenerate: the target rewrites every assistant turn of a dataset that asks for it (on-policy data).
+
+
+rule regenerate:
+    input:
+        conversations=f"{OUT}/data/{{ds}}/{{shard}}.jsonl",
+        chat_template=local_file(TARGET["chat_template"]),
+    output:
+        conversations=f"{OUT}/regen/{{ds}}/{{shard}}.jsonl",
+        report=f"{OUT}/regen/{{ds}}/{{shard}}.report.json",
+    params:
+        target=TARGET,
+        sampling={
+            k: config["regenerate"][k]
+            for k in ("backend", "served_model", "temperature", "top_p", "max_new_tokens", "seed")
+        },
+        version=FORMAT_VERSIONS["regenerate"],
+    resources:
+        gpu=lambda wc: 0 if config["regenerate"]["backend"] == "openai" else 1,
+    log:
+        f"{OUT}/logs/regen/{{ds}}/{{shard}}.log",
+    script:
+        "../scripts/regenerate.py"

@@ -1,0 +1,32 @@
+# vocab_count: loss-masked token counts per shard (independent of K, so a new K only re-merges).
+# vocab: merge the counts and keep the top K ids as the draft vocabulary (d2t / t2d).
+
+
+rule vocab_count:
+    input:
+        tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
+    output:
+        counts=f"{OUT}/vocab/counts/{{ds}}/{{shard}}.safetensors",
+    params:
+        vocab_size=VOCAB_SIZE,
+        version=FORMAT_VERSIONS["vocab"],
+    log:
+        f"{OUT}/logs/vocab_count/{{ds}}/{{shard}}.log",
+    script:
+        "../scripts/vocab_count.py"
+
+
+rule vocab:
+    input:
+        counts=shard_paths("vocab/counts", "safetensors"),
+    output:
+        mapping=f"{OUT}/vocab/mapping.safetensors",
+        report=f"{OUT}/vocab/coverage.json",
+    params:
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        vocab_size=VOCAB_SIZE,
+        version=FORMAT_VERSIONS["vocab"],
+    log:
+        f"{OUT}/logs/vocab.log",
+    script:
+        "../scripts/vocab.py"

@@ -1,0 +1,14 @@
+"""split rule: read one dataset once and write its conversation shards."""
+from eagle3build.cli import run_rule
+
+
+def split(sm):
+    from eagle3build.prepare import split_dataset
+
+    ds = sm.params.dataset
+    report = split_dataset(ds["path"], ds["format"], list(sm.output), sm.params.shard_size, ds["max_samples"],
+                           ds["split"], ds["name"])
+    print(report)
+
+
+run_rule(snakemake, split)  # noqa: F821 (injected by Snakemake)

@@ -1,0 +1,12 @@
+"""tokens rule: chat template + assistant-only loss mask for one shard."""
+from eagle3build.cli import run_rule
+
+
+def tokens(sm):
+    from eagle3build.prepare import tokenize_shard
+
+    tokenize_shard(sm.input.conversations, sm.output.tokens, sm.output.report, dict(sm.params.tokenizer),
+                   sm.params.max_length)
+
+
+run_rule(snakemake, tokens)  # noqa: F821 (injected by Snakemake)

@@ -1,0 +1,14 @@
+"""train rule: the draft head; several GPUs go through torchrun (DDP) inside this one job."""
+from eagle3build.cli import run_rule
+
+
+def train(sm):
+    import os
+
+    from eagle3build.train import launch
+
+    launch(hidden_paths=list(sm.input.hidden), mapping_path=sm.input.mapping, target=dict(sm.params.target),
+           out_dir=os.path.dirname(sm.output.weights), state_dir=sm.params.state_dir, params=dict(sm.params.train))
+
+
+run_rule(snakemake, train)  # noqa: F821 (injected by Snakemake)

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random-weight targets, the shared assets, token shards."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+STORIES = SHARED / "assets" / "models" / "stories260K"
+TOKENIZERS = SHARED / "assets" / "tokenizers"
+SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+torch.set_num_threads(2)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def need_shared():
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent (a fresh clone without the shared assets)")
+
+
+@pytest.fixture
+def stories260k() -> Path:
+    need_shared()
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A random-weight Llama of 6 layers, hidden 32, vocab 128, saved as a HF dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
