@@ -76,7 +76,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 def resolve_aux_layer_ids(target: dict, configured: list[int] | None) -> list[int]:
     n = int(target_text_config(target)["num_hidden_layers"])
     ids = list(configured) if configured else default_aux_layer_ids(n)
-    if len(ids) != 3 or sorted(set(ids)) != ids or not all(0 <= i < n for i in ids):
-        raise ConfigError("extract.aux_layer_ids", f"{ids} must be three increasing layer ids in [0, {n - 1}] "
+    if len(ids) != 3 or sorted(ids) != ids or not all(0 <= i < n for i in ids):
+        raise ConfigError("extract.aux_layer_ids", f"{ids} must be three layer ids, low to high, in [0, {n - 1}] "
                           f"for this {n}-layer target (default {default_aux_layer_ids(n)})")
     return ids

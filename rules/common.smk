@@ -7,6 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
 
+from snakemake.utils import validate
+
 from eagle3build import FORMAT_VERSIONS
 from eagle3build.config import resolve_aux_layer_ids, target_text_config, validate_config
 from eagle3build.shardplan import record_count

@@ -1,5 +1,9 @@
 """regenerate rule: the target writes every assistant turn of one conversation shard."""
-from eagle3build.cli import run_rule
+import sys
+
+# Import the package that sits next to this workflow, installed or not.
+sys.path.insert(0, snakemake.scriptdir + "/..")  # noqa: F821
+from eagle3build.cli import run_rule  # noqa: E402
 
 
 def regenerate(sm):

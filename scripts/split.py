@@ -1,5 +1,9 @@
 """split rule: read one dataset once and write its conversation shards."""
-from eagle3build.cli import run_rule
+import sys
+
+# Import the package that sits next to this workflow, installed or not.
+sys.path.insert(0, snakemake.scriptdir + "/..")  # noqa: F821
+from eagle3build.cli import run_rule  # noqa: E402
 
 
 def split(sm):

@@ -1,5 +1,9 @@
 """vocab rule: merge counts, keep the top K ids, write d2t/t2d and the coverage report."""
-from eagle3build.cli import run_rule
+import sys
+
+# Import the package that sits next to this workflow, installed or not.
+sys.path.insert(0, snakemake.scriptdir + "/..")  # noqa: F821
+from eagle3build.cli import run_rule  # noqa: E402
 
 
 def vocab(sm):
