@@ -13,6 +13,18 @@ if not workflow.config_settings.configfiles:
 
 
 include: "rules/common.smk"
+
+
+# The pinned image every job runs in (make docker-run); with --sdm apptainer Snakemake uses it itself.
+container: CONTAINER_IMAGE
+
+
+wildcard_constraints:
+    ds="[^/]+",
+    shard=r"\d{5}",
+    evalset="[^/]+",
+
+
 include: "rules/prepare.smk"
 include: "rules/regenerate.smk"
 include: "rules/extract.smk"

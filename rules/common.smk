@@ -10,9 +10,13 @@ sys.path.insert(0, workflow.basedir)
 from snakemake.utils import validate
 
 from eagle3build import FORMAT_VERSIONS
-from eagle3build.config import resolve_aux_layer_ids, target_text_config, validate_config
+from eagle3build.config import (
+    resolve_aux_layer_ids,
+    target_text_config,
+    validate_config,
+)
+from eagle3build.errors import ConfigError
 from eagle3build.shardplan import record_count
-
 
 validate_config(config, validate)
 
@@ -20,13 +24,7 @@ OUT = config["output_root"].rstrip("/")
 RUN_DIR = f"{OUT}/.run"  # servers' state files, locks and logs; never an output
 
 
-wildcard_constraints:
-    ds="[^/]+",
-    shard=r"\d{5}",
-    evalset="[^/]+",
-
-
-# ---- the target, as every rule that loads it sees it (all of it goes through params:)
+# ---- the target as the jobs that load it see it; it reaches them only through params
 TARGET = {
     "path": config["target"]["model"],
     "revision": config["target"]["revision"],
@@ -52,8 +50,15 @@ def _shard_count(ds):
 DATASETS = {}
 for _i, _ds in enumerate(config["datasets"]):
     if _ds["name"] in DATASETS:
-        raise ValueError(f"config key 'datasets[{_i}].name': '{_ds['name']}' is used twice; names must be unique")
-    DATASETS[_ds["name"]] = {**_ds, "index": _i, "shards": [f"{s:05d}" for s in range(_shard_count(_ds))]}
+        raise ConfigError(
+            f"datasets[{_i}].name",
+            f"'{_ds['name']}' is used twice; names must be unique",
+        )
+    DATASETS[_ds["name"]] = {
+        **_ds,
+        "index": _i,
+        "shards": [f"{s:05d}" for s in range(_shard_count(_ds))],
+    }
 
 
 def shard_paths(stage, ext, datasets=None):
@@ -72,7 +77,11 @@ def conversations_for(wildcards):
 
 def local_file(path):
     """Inputs that are files of ours are tracked; hf: ids and hub models are not files."""
-    return [path] if path and not str(path).startswith("hf:") and Path(path).exists() else []
+    return (
+        [path]
+        if path and not str(path).startswith("hf:") and Path(path).exists()
+        else []
+    )
 
 
 def final_targets():
@@ -88,3 +97,15 @@ def stop_extraction_servers():
     from eagle3build.extract import stop_servers
 
     stop_servers(RUN_DIR)
+
+
+def target_weight_files():
+    """The target's safetensors are inputs when local, so a changed target retrains."""
+    folder = Path(TARGET["path"])
+    return (
+        sorted(str(p) for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+    )
+
+
+# Keep in step with the Dockerfile's pinned base (make docker-build); EAGLE3_IMAGE overrides.
+CONTAINER_IMAGE = IMAGE or "docker://vllm/vllm-openai:latest"

@@ -14,14 +14,16 @@ rule evaluate:
             caption="../docs/report/evaluate.rst",
             category="Acceptance length",
         ),
+    log:
+        f"{OUT}/logs/evaluate/{{evalset}}.log",
+    resources:
+        gpu=1,
     params:
         target=TARGET,
         eval_set=lambda wc: EVAL_SETS[wc.evalset],
-        settings={k: config["evaluate"][k] for k in ("k", "max_new_tokens", "max_samples")},
+        settings={
+            k: config["evaluate"][k] for k in ("k", "max_new_tokens", "max_samples")
+        },
         version=FORMAT_VERSIONS["evaluate"],
-    resources:
-        gpu=1,
-    log:
-        f"{OUT}/logs/evaluate/{{evalset}}.log",
     script:
         "../scripts/evaluate.py"

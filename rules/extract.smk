@@ -9,17 +9,19 @@ rule extract:
         tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
     output:
         hidden=f"{OUT}/hidden/{{ds}}/{{shard}}.safetensors",
+    log:
+        f"{OUT}/logs/extract/{{ds}}/{{shard}}.log",
+    resources:
+        gpu=1,
     params:
-        target={k: TARGET[k] for k in ("path", "revision", "trust_remote_code", "dtype")},
+        target={
+            k: TARGET[k] for k in ("path", "revision", "trust_remote_code", "dtype")
+        },
         backend=config["extract"]["backend"],
         storage_dtype=config["extract"]["storage_dtype"],
         aux_layer_ids=AUX_LAYER_IDS,
         image=IMAGE,
         version=FORMAT_VERSIONS["hidden"],
         run_dir=RUN_DIR,
-    resources:
-        gpu=1,
-    log:
-        f"{OUT}/logs/extract/{{ds}}/{{shard}}.log",
     script:
         "../scripts/extract.py"

@@ -10,12 +10,14 @@ for _name, _ds in DATASETS.items():
             local_file(_ds["path"]),
         output:
             [f"{OUT}/data/{_name}/{s}.jsonl" for s in _ds["shards"]],
-        params:
-            dataset={k: _ds[k] for k in ("name", "path", "format", "split", "max_samples")},
-            shard_size=config["prepare"]["shard_size"],
-            version=FORMAT_VERSIONS["split"],
         log:
             f"{OUT}/logs/split/{_name}.log",
+        params:
+            dataset={
+                k: _ds[k] for k in ("name", "path", "format", "split", "max_samples")
+            },
+            shard_size=config["prepare"]["shard_size"],
+            version=FORMAT_VERSIONS["split"],
         script:
             "../scripts/split.py"
 
@@ -27,11 +29,14 @@ rule tokens:
     output:
         tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
         report=f"{OUT}/tokens/{{ds}}/{{shard}}.json",
-    params:
-        tokenizer={k: TARGET[k] for k in ("path", "revision", "trust_remote_code", "chat_template")},
-        max_length=config["prepare"]["max_length"],
-        version=FORMAT_VERSIONS["tokens"],
     log:
         f"{OUT}/logs/tokens/{{ds}}/{{shard}}.log",
+    params:
+        tokenizer={
+            k: TARGET[k]
+            for k in ("path", "revision", "trust_remote_code", "chat_template")
+        },
+        max_length=config["prepare"]["max_length"],
+        version=FORMAT_VERSIONS["tokens"],
     script:
         "../scripts/tokens.py"

@@ -8,16 +8,23 @@ rule regenerate:
     output:
         conversations=f"{OUT}/regen/{{ds}}/{{shard}}.jsonl",
         report=f"{OUT}/regen/{{ds}}/{{shard}}.report.json",
+    log:
+        f"{OUT}/logs/regen/{{ds}}/{{shard}}.log",
+    resources:
+        gpu=lambda wc: 0 if config["regenerate"]["backend"] == "openai" else 1,
     params:
         target=TARGET,
         sampling={
             k: config["regenerate"][k]
-            for k in ("backend", "served_model", "temperature", "top_p", "max_new_tokens", "seed")
+            for k in (
+                "backend",
+                "served_model",
+                "temperature",
+                "top_p",
+                "max_new_tokens",
+                "seed",
+            )
         },
         version=FORMAT_VERSIONS["regenerate"],
-    resources:
-        gpu=lambda wc: 0 if config["regenerate"]["backend"] == "openai" else 1,
-    log:
-        f"{OUT}/logs/regen/{{ds}}/{{shard}}.log",
     script:
         "../scripts/regenerate.py"

@@ -2,12 +2,6 @@
 # export: the checkpoint vLLM and SGLang load.
 
 
-def target_weight_files():
-    """The target's safetensors are inputs when local, so a changed target retrains."""
-    folder = Path(TARGET["path"])
-    return sorted(str(p) for p in folder.glob("*.safetensors")) if folder.is_dir() else []
-
-
 rule train:
     input:
         hidden=shard_paths("hidden", "safetensors"),
@@ -17,15 +11,15 @@ rule train:
         weights=f"{OUT}/train/draft.safetensors",
         summary=f"{OUT}/train/summary.json",
         metrics=f"{OUT}/train/metrics.jsonl",
+    log:
+        f"{OUT}/logs/train.log",
+    resources:
+        gpu=max(1, config["train"]["gpus"]),
     params:
         train=config["train"],
         target={k: TARGET[k] for k in ("path", "revision")},
         state_dir=f"{OUT}/train/state",
         version=FORMAT_VERSIONS["train"],
-    resources:
-        gpu=max(1, config["train"]["gpus"]),
-    log:
-        f"{OUT}/logs/train.log",
     script:
         "../scripts/train.py"
 
@@ -37,12 +31,12 @@ rule export:
     output:
         config=f"{OUT}/export/eagle3/config.json",
         weights=f"{OUT}/export/eagle3/model.safetensors",
+    log:
+        f"{OUT}/logs/export.log",
     params:
         export=config["export"],
         target={k: TARGET[k] for k in ("path", "revision")},
-        out_dir=f"{OUT}/export",
+        out_dir=lambda wc, output: os.path.dirname(os.path.dirname(output.config)),
         version=FORMAT_VERSIONS["export"],
-    log:
-        f"{OUT}/logs/export.log",
     script:
         "../scripts/export.py"

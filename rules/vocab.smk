@@ -7,11 +7,11 @@ rule vocab_count:
         tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
     output:
         counts=f"{OUT}/vocab/counts/{{ds}}/{{shard}}.safetensors",
+    log:
+        f"{OUT}/logs/vocab_count/{{ds}}/{{shard}}.log",
     params:
         vocab_size=VOCAB_SIZE,
         version=FORMAT_VERSIONS["vocab"],
-    log:
-        f"{OUT}/logs/vocab_count/{{ds}}/{{shard}}.log",
     script:
         "../scripts/vocab_count.py"
 
@@ -22,11 +22,11 @@ rule vocab:
     output:
         mapping=f"{OUT}/vocab/mapping.safetensors",
         report=f"{OUT}/vocab/coverage.json",
+    log:
+        f"{OUT}/logs/vocab.log",
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         vocab_size=VOCAB_SIZE,
         version=FORMAT_VERSIONS["vocab"],
-    log:
-        f"{OUT}/logs/vocab.log",
     script:
         "../scripts/vocab.py"
