@@ -29,14 +29,16 @@ def load_config(path: str | Path) -> dict:
 
 
 def validate_config(config: dict, validate) -> None:
-    """Validate (and fill defaults), turning the validator's dump into a message naming the key."""
-    try:
-        validate(config, str(SCHEMA))
-    except Exception as e:
-        cause = e.__cause__ or e
-        key = "/".join(str(p) for p in getattr(cause, "absolute_path", [])) or "(top level)"
-        msg = getattr(cause, "message", str(cause)).splitlines()[0]
-        raise ConfigError(key.replace("/", "."), f"{msg} (see schemas/config.schema.yaml)") from None
+    """Validate against the schema, naming the offending key; then let Snakemake fill the defaults."""
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load(SCHEMA.read_text())
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    if error is not None:
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+        raise ConfigError(key or "(top level)", f"{error.message} (see schemas/config.schema.yaml)")
+    validate(config, str(SCHEMA))
 
 
 def _read_json(path: Path) -> dict:
