@@ -1,0 +1,107 @@
+"""Workflow overhead: the project's dry-run at 1,000 and 10,000 shards vs a bare Snakemake workflow
+with the same number of jobs, measured side by side; and a no-op `make run` on the default config.
+
+    python bench/workflow_overhead.py --shards 1000 10000 [--repeats 2] [--out bench/results/workflow.json]
+
+The project's DAG for S shards has 3·S + 5 jobs (tokens, extract, vocab_count per shard; split, vocab,
+train, export, evaluate). The bare workflow is one `rule all` over one trivial rule with as many jobs.
+A synthetic dataset with one conversation per shard (shard_size 1) gives S shards without real data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from workflow_util import copy_workflow  # noqa: E402
+
+BARE = """
+N = int(config["njobs"])
+rule all:
+    input: expand("out/{i}.txt", i=range(N))
+rule one:
+    output: "out/{i}.txt"
+    shell: "echo {wildcards.i} > {output}"
+"""
+
+
+def timed(cmd: list[str], cwd: Path) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def project_dry_run(work: Path, shards: int, model: str, template: str | None) -> tuple[float, int]:
+    wd = copy_workflow(work / f"project-{shards}")
+    line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    (wd / "data.jsonl").write_text((line + "\n") * shards)
+    cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],
+           "prepare": {"shard_size": 1}, "evaluate": {"sets": [{"name": "q", "path": "data.jsonl"}]}}
+    (wd / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "snakemake", "--configfile", "cfg.yaml", "--cores", "2", "-n", "--quiet", "all",
+           "--resources", "gpu=1"]
+    timed(cmd, wd)  # warm: record-count cache, __pycache__
+    return timed(cmd, wd), 3 * shards + 5
+
+
+def bare_dry_run(work: Path, jobs: int) -> float:
+    wd = work / f"bare-{jobs}"
+    wd.mkdir()
+    (wd / "Snakefile").write_text(BARE)
+    cmd = [sys.executable, "-m", "snakemake", "--config", f"njobs={jobs - 1}", "--cores", "2", "-n", "--quiet", "all"]
+    timed(cmd, wd)
+    return timed(cmd, wd)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", type=int, nargs="+", default=[1000, 10000])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model", default=str(ROOT.parent / "shared" / "assets" / "models" / "stories260K"))
+    p.add_argument("--template", default=str(ROOT / "tests" / "data" / "chat_template.jinja"))
+    p.add_argument("--noop-config", default="config.yaml", help="config for the no-op `make run` timing ('' skips)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                          f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
+               "date": date.today().isoformat(), "python": platform.python_version(), "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for shards in args.shards:
+            proj, bare = [], []
+            for r in range(args.repeats):
+                t, jobs = project_dry_run(work / f"r{r}", shards, args.model, args.template)
+                proj.append(t)
+                bare.append(bare_dry_run(work / f"r{r}", jobs))
+            row = {"shards": shards, "jobs": jobs, "project_s": min(proj), "bare_s": min(bare),
+                   "ratio": min(proj) / min(bare)}
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            shutil.rmtree(work / "r0", ignore_errors=True)
+    if args.noop_config and (ROOT / "build" / "export").exists():
+        cmd = ["make", "-s", "run", f"CONFIG={args.noop_config}"]
+        timed(cmd, ROOT)
+        results["noop_make_run_s"] = min(timed(cmd, ROOT) for _ in range(args.repeats))
+        print(json.dumps({"noop_make_run_s": results["noop_make_run_s"]}))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
