@@ -39,6 +39,10 @@ rule all:
         final_targets(),
 
 
+onstart:
+    preflight()
+
+
 onsuccess:
     stop_extraction_servers()
 

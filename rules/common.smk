@@ -94,9 +94,17 @@ EVAL_SETS = {s["name"]: s for s in config["evaluate"]["sets"]}
 
 
 def stop_extraction_servers():
-    from eagle3build.extract import stop_servers
+    from eagle3build import extract, vllm_backend
 
-    stop_servers(RUN_DIR)
+    extract.stop_servers(RUN_DIR)
+    vllm_backend.stop_servers(RUN_DIR)
+
+
+def preflight():
+    """Before jobs run (not on dry-runs): fail in seconds when the pieces do not fit."""
+    from eagle3build.doctor import preflight as check
+
+    check(config, "extract", echo=print)
 
 
 def target_weight_files():

@@ -9,7 +9,7 @@ from eagle3build.cli import run_rule  # noqa: E402
 def train(sm):
     import os
 
-    from eagle3build.train import launch
+    from eagle3build.launch import launch
 
     launch(hidden_paths=list(sm.input.hidden), mapping_path=sm.input.mapping, target=dict(sm.params.target),
            out_dir=os.path.dirname(sm.output.weights), state_dir=sm.params.state_dir, params=dict(sm.params.train))
