@@ -13,7 +13,7 @@ TORCH_CPU ?= torch==2.13.0
 MODEL_DIR ?= models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: help setup run dry-run summary dag report test test-fast lint doctor show clean clean-hidden
+.PHONY: help setup run dry-run unlock summary dag report test test-fast lint doctor show clean clean-hidden
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -30,6 +30,9 @@ run: ## build everything stale (the draft, its export and evaluation)
 
 dry-run: ## show the jobs a run would do, and why
 	$(SMK) -n $(SMK_RES)
+
+unlock: ## after a crash or kill: release Snakemake's lock on the work tree (outputs are kept)
+	$(SMK) --unlock
 
 summary: ## every output with its state and plan
 	$(SMK) --summary

@@ -1,0 +1,88 @@
+"""Acceptance length of a chain draft under greedy verification, computed from one teacher-forced pass.
+
+Greedy speculative decoding is lossless: the tokens it emits are the target's greedy decode, whatever
+the draft and whatever k. So the acceptance of every round can be read off that decode:
+
+1. the target's greedy continuation x of each prompt (batched `generate`), and its aux states at every
+   position (one forward);
+2. one unrolled draft pass over all positions at once — exactly the training-time-test forward: at
+   position t, step s proposes x[t+2+s] from (x[t+1+s], own state), attending to step-0 keys <= t and
+   to its own chain — which is the draft's inference computation, as long as its earlier proposals
+   matched (and only then does the next step count);
+3. A[t] = how many leading proposals of the chain started at t match x; a round that begins with the
+   verified prefix x[:n] accepts min(A[n-2], k) tokens and the target adds one.
+
+This gives tau for every k from a single pass instead of k_max sequential decoding loops, and equals the
+sequential loop (`evaluate.speculative_generate`) up to floating-point ties (tests/test_acceptance.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import Eagle3Draft, attention_scale
+
+
+def _shift(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+    out = torch.full_like(x, fill)
+    if n < len(x):
+        out[: len(x) - n] = x[n:]
+    return out
+
+
+@torch.inference_mode()
+def chain_proposals(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, k: int) -> torch.Tensor:
+    """Target ids [k, T]: row s, column t = the draft's step-s proposal for x[t+2+s] (chain from t)."""
+    device = aux.device
+    T = tokens.numel()
+    c = draft.config
+    scale = attention_scale(c)
+    positions = torch.arange(T, device=device)
+    causal = positions[None, :] <= positions[:, None]  # [T, T]
+    hidden = draft.fuse(aux[None].to(next(draft.parameters()).dtype))
+    groups = c.num_attention_heads // c.num_key_value_heads
+    keys, values, out = [], [], []
+    for s in range(k):
+        ids = _shift(tokens, 1 + s, 0)[None]
+        q, key, value, residual = draft.qkv(ids, hidden, (positions + s)[None])
+        keys.append(key.repeat_interleave(groups, dim=1))
+        values.append(value.repeat_interleave(groups, dim=1))
+        scores0 = (q @ keys[0].transpose(-1, -2)).float() * scale  # [1, nh, T, T]
+        scores0 = scores0.masked_fill(~causal, float("-inf"))
+        diag = [(q * kj).sum(-1, keepdim=True).float() * scale for kj in keys[1:]]  # [1, nh, T, 1] each
+        probs = torch.softmax(torch.cat([scores0, *diag], dim=-1), dim=-1)
+        attn = probs[..., :T].to(q.dtype) @ values[0]
+        for j, vj in enumerate(values[1:]):
+            attn = attn + probs[..., T + j : T + j + 1].to(q.dtype) * vj
+        hidden = draft.finish(attn, residual)
+        out.append(draft.draft_to_target(draft.logits(hidden)[0].argmax(-1)))
+    return torch.stack(out)
+
+
+def run_lengths(proposals: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """A[t]: leading proposals of the chain from t that equal x[t+2+s] (int64 [T])."""
+    k, T = proposals.shape
+    hits = torch.zeros(k, T, dtype=torch.bool, device=proposals.device)
+    for s in range(k):
+        hits[s] = proposals[s] == _shift(tokens, 2 + s, -1)
+    return torch.cumprod(hits.long(), dim=0).sum(0)
+
+
+def simulate_rounds(lengths: torch.Tensor, prompt_len: int, total_len: int, k: int) -> list[int]:
+    """Accepted tokens per verification round for a response x[prompt_len:total_len]."""
+    accepts = []
+    n = prompt_len + 1  # the prefill already emitted x[prompt_len]
+    lengths = lengths.tolist()
+    while n < total_len:
+        a = min(lengths[n - 2], k, total_len - n)
+        accepts.append(a)
+        n += a + 1
+    return accepts
+
+
+def acceptance_for_sequence(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, prompt_len: int,
+                            ks: list[int]) -> dict[int, list[int]]:
+    """{k: accepted per round} for one prompt + greedy response (tokens [T], aux [T, 3*Ht])."""
+    proposals = chain_proposals(draft, tokens, aux, max(ks))
+    lengths = run_lengths(proposals, tokens).cpu()
+    return {k: simulate_rounds(lengths, prompt_len, tokens.numel(), k) for k in ks}
