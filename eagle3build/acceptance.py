@@ -68,21 +68,29 @@ def run_lengths(proposals: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(hits.long(), dim=0).sum(0)
 
 
-def simulate_rounds(lengths: torch.Tensor, prompt_len: int, total_len: int, k: int) -> list[int]:
-    """Accepted tokens per verification round for a response x[prompt_len:total_len]."""
+def simulate_rounds(lengths: torch.Tensor, prompt_len: int, stop_len: int, k: int) -> list[int]:
+    """Accepted tokens per verification round while the emitted sequence is shorter than `stop_len`.
+
+    As in the sequential loop, a round's verifier may accept tokens past `stop_len` (they are cut from
+    the output but counted); `lengths` should come from a decode that runs k tokens past it.
+    """
     accepts = []
     n = prompt_len + 1  # the prefill already emitted x[prompt_len]
     lengths = lengths.tolist()
-    while n < total_len:
-        a = min(lengths[n - 2], k, total_len - n)
+    while n < stop_len:
+        a = min(lengths[n - 2], k)
         accepts.append(a)
         n += a + 1
     return accepts
 
 
 def acceptance_for_sequence(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, prompt_len: int,
-                            ks: list[int]) -> dict[int, list[int]]:
-    """{k: accepted per round} for one prompt + greedy response (tokens [T], aux [T, 3*Ht])."""
+                            ks: list[int], stop_len: int | None = None) -> dict[int, list[int]]:
+    """{k: accepted per round} for one prompt + greedy response (tokens [T], aux [T, 3*Ht]).
+
+    stop_len: where decoding stops (prompt + max_new_tokens, or just after an end token); defaults to
+    the whole sequence.
+    """
     proposals = chain_proposals(draft, tokens, aux, max(ks))
     lengths = run_lengths(proposals, tokens).cpu()
-    return {k: simulate_rounds(lengths, prompt_len, tokens.numel(), k) for k in ks}
+    return {k: simulate_rounds(lengths, prompt_len, stop_len or tokens.numel(), k) for k in ks}

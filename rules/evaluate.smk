@@ -22,7 +22,8 @@ rule evaluate:
         target=TARGET,
         eval_set=lambda wc: EVAL_SETS[wc.evalset],
         settings={
-            k: config["evaluate"][k] for k in ("k", "max_new_tokens", "max_samples")
+            k: config["evaluate"][k]
+            for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
         },
         version=FORMAT_VERSIONS["evaluate"],
     script:

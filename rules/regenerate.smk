@@ -18,11 +18,12 @@ rule regenerate:
             k: config["regenerate"][k]
             for k in (
                 "backend",
-                "served_model",
+                "model",
                 "temperature",
                 "top_p",
                 "max_new_tokens",
                 "seed",
+                "drop_truncated",
             )
         },
         version=FORMAT_VERSIONS["regenerate"],

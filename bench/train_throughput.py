@@ -1,0 +1,341 @@
+"""EAGLE-3 training-step throughput of eagle3build (TTT, k steps) at a real head shape, in one run.
+
+    python bench/train_throughput.py --seq 2048 4096 --out $OUT/train_throughput.json   # on the GPU
+    python bench/train_throughput.py --preset tiny --seq 256 --device cpu                # smoke run
+
+One step is what `eagle3build.train` does per micro-batch: the target's draft-vocab distribution
+(`TargetScorer.draft_probs`), the k-step TTT forward, the normalised weighted loss, backward, grad
+clipping and fused AdamW, with fp32 master weights under bf16 autocast. The greedy-in-draft flag is
+cached per sample by the trainer (once per run), so it is computed before timing. Synthetic inputs
+already on the device, every row weighted (as the peers' bench), the same batch every step, so the
+loss must fall.
+
+Reported per sequence length: tokens/s (mean over the timed steps), model-FLOPs utilisation against
+an 8192^3 bf16 matmul timed in the same process (FLOPs counted as peer-train-bench counts them),
+peak allocated memory, the loss of every step, and, once, the agreement of the fast path (compiled,
+flex + LSE merge) with the dense `sdpa` path on the same weights (loss and gradients, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3build.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3build.target import TargetHead  # noqa: E402
+from eagle3build.ttt import (  # noqa: E402
+    MathMergedAttention,
+    PackedBatch,
+    TargetScorer,
+    make_attention,
+    step_valid,
+    step_weights,
+    ttt_forward,
+    weighted_loss,
+)
+
+PRESETS = {
+    # Llama-3.1-8B's layer shape, draft vocab 32k (the peers' bench shape)
+    "llama8b": dict(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000
+    ),
+    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device, n=8192, warmup=3, iters=10) -> dict:
+    """bf16 n^3 matmul rate, timed like the steps (the MFU reference, as peer-train-bench)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = n if device.type == "cuda" else 512
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    for _ in range(warmup):
+        a @ b
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return dict(
+        n=n, tflops_mean=2 * n**3 / (sum(times) / len(times)) / 1e12, tflops_best=2 * n**3 / min(times) / 1e12
+    )
+
+
+def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
+    """Model FLOPs per input token of one training step, counted as peer-train-bench counts them.
+
+    fc: forward + weight grad (its input is data); layer: 3x forward per TTT step; trainable lm_head:
+    3x; attention: causal keys of the sample plus one diagonal key per earlier step, 3x; target: the
+    draft-vocab rows of the target's lm_head, forward only (the full-vocab greedy flag is cached).
+    """
+    H, nh, nkv, hd = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    inter, K = shape["intermediate"], shape["draft_vocab"]
+    fc = 2 * 3 * H * H
+    layer = 2 * (2 * H) * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 3 * 2 * H * inter
+    lm = 2 * H * K
+    avg_keys = (T + 1) / 2
+    attn = sum(2 * 2 * nh * hd * (avg_keys + i) for i in range(ttt))
+    target = 2 * H * K
+    return dict(
+        flops_per_token=2 * fc + 3 * ttt * (layer + lm) + 3 * attn + target,
+        parts=dict(fc=fc, layer_per_step=layer, lm_head_per_step=lm, attention_all_steps=attn, target=target),
+    )
+
+
+def build(shape: dict, T: int, device, seed: int = 0):
+    """Random-weight draft + target head and one synthetic packed batch of T tokens."""
+    H, V, K = shape["hidden"], shape["vocab"], shape["draft_vocab"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    embed = torch.randn(V, H, device=device, generator=g) * 0.02
+    target = TargetHead(
+        embed_tokens=embed,
+        norm=torch.ones(H, device=device),
+        lm_head=embed,
+        hidden_size=H,
+        vocab_size=V,
+        num_hidden_layers=32,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate"],
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    )
+    kept = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:K].sort().values
+    d2t, t2d = kept - torch.arange(K), torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    config = DraftConfig.from_target(target, K, [2, 16, 29])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        draft = Eagle3Draft.from_target(config, target, d2t.to(device), t2d.to(device))
+    data_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    scorer = TargetScorer(target, d2t, t2d, device, data_dtype)
+    batch = PackedBatch(
+        input_ids=torch.randint(0, V, (T,), device=device, generator=g),
+        loss_mask=torch.ones(T, dtype=torch.bool, device=device),
+        doc=torch.zeros(T, dtype=torch.long, device=device),
+        position=torch.arange(T, device=device),
+        aux=torch.randn(T, 3 * H, device=device, generator=g).to(data_dtype),
+        final=torch.randn(T, H, device=device, generator=g).to(data_dtype),
+        greedy_in_draft=torch.ones(T, dtype=torch.bool, device=device),  # every row weighted
+    )
+    return draft, scorer, batch
+
+
+def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
+    """One TTT forward + backward; returns per-step mean losses and the gradients (no update)."""
+    draft.zero_grad(set_to_none=True)
+    with autocast:
+        stats = ttt_forward(draft, batch, scorer.draft_probs(batch.final), ttt, attention, compile=compile)
+        loss = weighted_loss(stats, stats.count, step_weights(ttt, 0.8, batch.aux.device))
+    loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad(set_to_none=True)
+    return (stats.loss_sum / stats.count).detach().float().cpu(), grads
+
+
+def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, autocast) -> dict:
+    """Fast path vs the dense-mask sdpa path, same weights and batch (both bf16 autocast on GPU)."""
+    fast_loss, fast_grads = loss_and_grads(draft, scorer, batch, fast_attention, ttt, compile, autocast)
+    dense_loss, dense_grads = loss_and_grads(
+        draft, scorer, batch, make_attention("sdpa"), ttt, False, autocast
+    )
+    cos = {
+        n: float(torch.nn.functional.cosine_similarity(fast_grads[n].flatten(), g.flatten(), dim=0))
+        for n, g in dense_grads.items()
+    }
+    rel = {n: float((fast_grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in dense_grads.items()}
+    return dict(
+        step_loss_fast=[round(float(x), 5) for x in fast_loss],
+        step_loss_dense=[round(float(x), 5) for x in dense_loss],
+        max_step_loss_rel_diff=float(((fast_loss - dense_loss).abs() / dense_loss.abs()).max()),
+        min_grad_cosine=min(cos.values()),
+        max_grad_rel_diff=max(rel.values()),
+        worst_grad=max(rel, key=rel.get),
+    )
+
+
+def profile_step(step, device, path: Path) -> str:
+    """torch.profiler table of one step (top kernels by device time) written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step()
+            sync(device)
+        table = prof.key_averages().table(
+            sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=80
+        )
+        path.write_text(table)
+        return str(path.name)
+    except Exception as e:  # noqa: BLE001 - the profile is a diagnostic, never a failure
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path | None) -> dict:
+    """variant: 'compiled' (flex + compiled layer halves and loss) or 'flex-only' (only flex compiled)."""
+    cuda = device.type == "cuda"
+    result = dict(T=T, ttt=args.ttt, variant=variant, ok=False)
+    t_start = time.perf_counter()
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        draft, scorer, batch = build(shape, T, device)
+        if cuda:
+            attention = make_attention("flex", compile=True)
+        else:
+            attention = MathMergedAttention()  # flex has no CPU backward; the same merge, dense causal part
+        compile_rest = variant == "compiled"
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+        weights = step_weights(args.ttt, 0.8, device)
+        if args.check:
+            result["check_vs_dense_sdpa"] = check_against_dense(
+                draft, scorer, batch, attention, args.ttt, compile_rest, autocast
+            )
+        optimizer = torch.optim.AdamW(
+            [p for p in draft.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95), fused=cuda
+        )
+
+        def step() -> torch.Tensor:
+            with autocast:
+                valid = step_valid(batch, args.ttt)
+                stats = ttt_forward(
+                    draft,
+                    batch,
+                    scorer.draft_probs(batch.final),
+                    args.ttt,
+                    attention,
+                    valid,
+                    compile=compile_rest,
+                )
+                loss = weighted_loss(stats, valid.sum(1).float(), weights)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        losses = []
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            losses.append(step())
+        sync(device)
+        result["warmup_s"] = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(args.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            losses.append(step())
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        mean = sum(times) / len(times)
+        fm = flops_per_token(shape, T, args.ttt)
+        result.update(
+            step_ms_mean=1e3 * mean,
+            step_ms_min=1e3 * min(times),
+            tokens_per_s=T / mean,
+            achieved_tflops=fm["flops_per_token"] * T / mean / 1e12,
+            mfu=fm["flops_per_token"] * T / mean / (matmul["tflops_mean"] * 1e12),
+            flops=fm,
+            losses=[round(float(x), 5) for x in losses],
+        )
+        if cuda:
+            result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        result["ok"] = True
+        if args.profile and out_dir is not None:
+            result["profile"] = profile_step(step, device, out_dir / f"profile_T{T}_{variant}.txt")
+    except Exception as e:  # noqa: BLE001 - a failing variant is recorded and the next one runs
+        result["error"] = f"{type(e).__name__}: {e}"[:2000]
+        result["traceback"] = traceback.format_exc()[-3000:]
+    result["wall_s"] = time.perf_counter() - t_start
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama8b", choices=list(PRESETS))
+    ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=27, help="timed steps (the loss is recorded for all)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
+    ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fast-vs-dense check")
+    ap.add_argument("--check-seq", type=int, default=2048, help="run the check only at this length")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of one step per length")
+    ap.add_argument("--out", default=None, help="results JSON (its folder also gets profile tables)")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    shape = PRESETS[args.preset]
+    out_dir = Path(args.out).parent if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    report = dict(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        preset=args.preset,
+        shape=shape,
+        ttt=args.ttt,
+        warmup=args.warmup,
+        steps=args.steps,
+        command=" ".join(sys.argv),
+    )
+    report["matmul_bf16"] = matmul_tflops(device)
+    print(json.dumps({"matmul_bf16": report["matmul_bf16"]}), flush=True)
+    report["results"] = []
+    check_all = args.check
+    for T in args.seq:
+        args.check = check_all and T == args.check_seq
+        for variant in args.variants.split(","):
+            r = run_config(args, shape, T, device, variant, report["matmul_bf16"], out_dir)
+            summary = {k: v for k, v in r.items() if k not in ("losses", "flops", "traceback")}
+            print(json.dumps(summary), flush=True)
+            if not r["ok"]:
+                print(r.get("traceback", ""), file=sys.stderr, flush=True)
+            report["results"].append(r)
+            torch._dynamo.reset()
+            if r["ok"]:
+                break
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    ok = [r for r in report["results"] if r["ok"]]
+    for r in ok:
+        print(
+            f"T={r['T']} {r['variant']}: {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, "
+            f"peak {r.get('peak_mem_gib', math.nan):.1f} GiB, loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

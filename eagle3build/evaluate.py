@@ -1,0 +1,414 @@
+"""Acceptance length of an exported EAGLE-3 draft: chain speculative decoding with the HF target.
+
+One decoding round (greedy, batch 1, k draft tokens):
+
+1. The draft consumes the positions the target has verified since the last round: at position t its
+   input is (token x[t+1], fc(aux states of the target at t)). Its output at the last such position
+   proposes the first draft token.
+2. It drafts k tokens autoregressively: each step feeds its own pre-norm output as the hidden state and
+   the token it just proposed, one RoPE position further.
+3. The target verifies [last emitted token, d1..dk] in one forward (KV cache, hidden states on) and
+   accepts the longest prefix of drafts equal to its own greedy tokens, then emits its own next token
+   (the "bonus"). The target's cache is cropped to the accepted positions; the draft's cache keeps
+   only positions computed from target states (drafted positions are recomputed from the target's
+   states in the next round's step 1, as vLLM does).
+
+The output is therefore exactly the target's greedy decode ("lossless"): `evaluate` checks that on
+every turn and reports mismatches (in bf16 a verify forward over k+1 tokens can round differently
+from a 1-token decode step, so a rare mismatch there is numerics, not a bug).
+
+Metrics follow vLLM's definitions: a draft = one verification of k proposed tokens; mean acceptance
+length tau = 1 + accepted / drafts (the 1 is the bonus token); acceptance rate at position i =
+(drafts whose first i proposals were all accepted) / drafts. Counts are the verifier's decisions, also
+in a last round cut by max_new_tokens or an end-of-sequence token (vLLM counts them the same way).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import FORMAT_VERSIONS
+from .acceptance import acceptance_for_sequence
+from .atomic import atomic_path, write_json_atomic
+from .errors import ConfigError, UserError
+from .regenerate import eos_token_ids, load_target_model, load_target_tokenizer, resolve_device, target_path
+
+DEFAULTS = {
+    "k": [1, 2, 3, 4, 5, 6, 7],  # draft lengths to evaluate
+    "max_new_tokens": 256,  # per turn
+    "max_samples": None,  # questions per set (first N); None = all
+    "device": "auto",  # auto = cuda when available, else cpu
+    "sequential_k": None,  # k values also run through the sequential loop (timing, losslessness); None = all
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics
+
+
+@dataclass
+class AcceptanceStats:
+    """vLLM's spec-decode counters for one draft length k."""
+
+    k: int
+    drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.k
+
+    def add(self, accepted: int) -> None:
+        """One verification that accepted the first `accepted` of k proposals."""
+        if not 0 <= accepted <= self.k:
+            raise ValueError(f"accepted {accepted} not in [0, {self.k}]")
+        self.drafts += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: AcceptanceStats) -> None:
+        self.drafts += other.drafts
+        self.accepted_per_position = [
+            a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position, strict=True)
+        ]
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_position)
+
+    def summary(self) -> dict:
+        drafts = max(self.drafts, 1)  # no drafts: every rate 0, tau 1
+        return {
+            "mean_acceptance_length": 1 + self.accepted / drafts,
+            "acceptance_rate_per_position": [a / drafts for a in self.accepted_per_position],
+            "drafts": self.drafts,
+            "draft_tokens": self.drafts * self.k,
+            "accepted": self.accepted,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding loops
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers Cache (whichever crop() convention it has)."""
+    remove = cache.get_seq_length() - length
+    if remove <= 0:
+        return
+    # transformers >= 5.2x: crop(-n) removes n tokens; older releases: crop(max_length)
+    first_param = next(iter(inspect.signature(cache.crop).parameters))
+    cache.crop(-remove if first_param == "tokens_to_remove" else length)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Cut at max_new_tokens and after the first end-of-sequence token."""
+    tokens = tokens[:max_new_tokens]
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.inference_mode()
+def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Plain greedy decoding with a KV cache: the reference output and the speed baseline."""
+    device = next(target.parameters()).device
+    out = target(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
+    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    tokens = [token]
+    while len(tokens) < max_new_tokens and token not in eos:
+        out = target(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+    return tokens
+
+
+def _aux_states(draft, hidden_states: tuple, positions: slice) -> torch.Tensor:
+    """Concatenated aux states [1, T, 3*Ht]; hidden_states[L] is the stream entering layer L."""
+    return torch.cat([hidden_states[layer][:, positions] for layer in draft.config.aux_layer_ids], dim=-1)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target, draft, prompt_ids: list[int], k: int, max_new_tokens: int, eos: set[int]
+) -> tuple[list[int], list[int]]:
+    """Chain speculative decoding (greedy). Returns (tokens, accepted count of every verification)."""
+    device = next(target.parameters()).device
+    out = target(
+        input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, output_hidden_states=True
+    )
+    target_cache = out.past_key_values
+    sequence = list(prompt_ids) + [int(out.logits[0, -1].argmax())]  # positions 0 .. pos
+    pos = len(prompt_ids)  # position of the newest token, not yet in the target's cache
+    # target aux states of the positions the draft has not consumed yet (consumed_to .. pos-1)
+    new_aux = _aux_states(draft, out.hidden_states, slice(None))
+    draft_cache, consumed_to = None, 0  # the draft's cache holds positions [0, consumed_to)
+    accepts: list[int] = []
+
+    def emitted() -> list[int]:
+        return sequence[len(prompt_ids) :]
+
+    while len(emitted()) < max_new_tokens and sequence[-1] not in eos:
+        # 1. Consume the verified positions: input at t is (x[t+1], fc(aux[t])).
+        tokens = torch.tensor([sequence[consumed_to + 1 : pos + 1]], device=device)
+        positions = torch.arange(consumed_to, pos, device=device).unsqueeze(0)
+        hidden, draft_cache = draft.layer(tokens, draft.fuse(new_aux), positions, draft_cache)
+        consumed_to = pos
+        # 2. Draft k tokens. Drafted positions go into a scratch cache that is dropped after this round
+        #    (= cropping the draft's cache back to `consumed_to`).
+        hidden, scratch_cache = hidden[:, -1:], draft_cache
+        proposals = []
+        for i in range(k):
+            token = draft.draft_to_target(draft.logits(hidden).argmax(-1))  # [1, 1] target ids
+            proposals.append(int(token))
+            if i + 1 < k:
+                position = torch.tensor([[pos + i]], device=device)
+                hidden, scratch_cache = draft.layer(token, hidden, position, scratch_cache)
+        # 3. Verify [x[pos], d1..dk] at positions pos..pos+k; target_greedy[i] follows verify token i.
+        verify = torch.tensor([[sequence[pos]] + proposals], device=device)
+        out = target(
+            input_ids=verify, past_key_values=target_cache, use_cache=True, output_hidden_states=True
+        )
+        target_greedy = out.logits[0].argmax(-1).tolist()
+        accepted = 0
+        while accepted < k and proposals[accepted] == target_greedy[accepted]:
+            accepted += 1
+        accepts.append(accepted)
+        crop_cache(target_cache, pos + accepted + 1)  # keep x[pos] and the accepted drafts
+        new_aux = _aux_states(draft, out.hidden_states, slice(0, accepted + 1))
+        new_tokens = proposals[:accepted] + [target_greedy[accepted]]
+        sequence += new_tokens
+        pos += accepted + 1
+        if eos.intersection(new_tokens):
+            break
+    return _finish(emitted(), max_new_tokens, eos), accepts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry point
+
+
+def read_questions(path: str, max_samples: int | None = None) -> list[dict]:
+    """Question file lines {question_id, category, turns: [str, ...]}."""
+    questions = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read the eval set '{path}': {e}; fix evaluate.sets[].path") from e
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{line_no}: not valid JSON ({e})") from e
+        turns = q.get("turns") if isinstance(q, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise UserError(
+                f"{path}:{line_no}: expected a question {{question_id, category, turns: [str, ...]}} "
+                "with at least one turn"
+            )
+        questions.append(
+            {"id": q.get("question_id", line_no), "category": str(q.get("category", "all")), "turns": turns}
+        )
+        if max_samples is not None and len(questions) >= max_samples:
+            break
+    return questions
+
+
+def _timed(device: torch.device, fn, *args):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def _simulated_accepts(target, draft, prompt: list[int], extended: list[int], stop_len: int,
+                       ks: list[int]) -> dict[int, list[int]]:
+    """Every k's accepted-per-round from one target forward + one unrolled draft pass (acceptance.py)."""
+    device = next(target.parameters()).device
+    tokens = torch.tensor(prompt + extended, device=device)
+    with torch.inference_mode():
+        out = target(input_ids=tokens[None], output_hidden_states=True, use_cache=False)
+    aux = _aux_states(draft, out.hidden_states, slice(None))[0]
+    return acceptance_for_sequence(draft, tokens, aux, len(prompt), ks, stop_len)
+
+
+def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
+                 sequential_ks: list[int] | None = None) -> dict:
+    """Run every question's turns (turn n asked after the target's own answer to turn n-1).
+
+    Acceptance for every k comes from one teacher-forced pass over the target's greedy decode
+    (exact for greedy chain decoding, see acceptance.py); the sequential speculative loop runs for
+    `sequential_ks` (default: all) to time it, to check it is lossless and that it accepts exactly
+    what the pass predicted (`simulation_agrees`).
+    """
+    device = next(target.parameters()).device
+    eos = set(eos_token_ids(target, tokenizer))
+    sequential_ks = list(ks) if sequential_ks is None else [k for k in sequential_ks if k in ks]
+    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
+    overall = {k: AcceptanceStats(k) for k in ks}
+    by_category: dict[str, dict[int, AcceptanceStats]] = {}
+    spec_tokens = dict.fromkeys(sequential_ks, 0)
+    spec_seconds = dict.fromkeys(sequential_ks, 0.0)
+    mismatches = dict.fromkeys(sequential_ks, 0)
+    agrees = dict.fromkeys(sequential_ks, 0)
+    base_tokens, base_generated, base_seconds, turns_done, turns_skipped = 0, 0, 0.0, 0, 0
+
+    for question in tqdm(questions, desc="evaluate", unit="question", disable=None):
+        category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
+        messages: list[dict] = []
+        for turn_no, user_turn in enumerate(question["turns"]):
+            messages.append({"role": "user", "content": user_turn})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(prompt) + max_new_tokens + 2 * max(ks) + 2 > max_positions:
+                turns_skipped += len(question["turns"]) - turn_no  # later turns need this answer
+                break
+            # The reference decode runs max(k) tokens further: a last round's verifier sees them too.
+            extended, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens + max(ks) + 1, eos)
+            reference = _finish(extended, max_new_tokens, eos)
+            base_tokens, base_generated = base_tokens + len(reference), base_generated + len(extended)
+            base_seconds += seconds
+            simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference), ks)
+            for k in ks:
+                accepts = simulated[k]
+                if k in sequential_ks:
+                    (tokens, accepts), seconds = _timed(
+                        device, speculative_generate, target, draft, prompt, k, max_new_tokens, eos
+                    )
+                    spec_tokens[k] += len(tokens)
+                    spec_seconds[k] += seconds
+                    mismatches[k] += tokens != reference
+                    agrees[k] += accepts == simulated[k]
+                for accepted in accepts:
+                    overall[k].add(accepted)
+                    category[k].add(accepted)
+            turns_done += 1
+            answer = tokenizer.decode([t for t in reference if t not in eos], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+
+    baseline_tps = base_generated / base_seconds if base_seconds else 0.0
+    per_k = {}
+    for k in ks:
+        row = {**overall[k].summary()}
+        if k in sequential_ks:
+            tps = spec_tokens[k] / spec_seconds[k] if spec_seconds[k] else 0.0
+            row.update(tokens=spec_tokens[k], seconds=spec_seconds[k], tokens_per_s=tps,
+                       speedup=tps / baseline_tps if baseline_tps else 0.0, mismatches=mismatches[k],
+                       simulation_agrees=agrees[k])
+        row["per_category"] = {name: stats[k].summary() for name, stats in sorted(by_category.items())}
+        per_k[str(k)] = row
+    return {
+        "questions": len(questions),
+        "turns": turns_done,
+        "turns_skipped_too_long": turns_skipped,
+        "sequential_k": sequential_ks,
+        "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
+        "k": per_k,
+    }
+
+
+def plot(results: dict, out_png: str) -> None:
+    """Per set: acceptance rate by draft position for every k, and tau by category for every k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = results["sets"]
+    fig, axes = plt.subplots(len(sets), 2, figsize=(13, 4 * len(sets)), squeeze=False)
+    for (by_position, by_category), (name, result) in zip(axes, sets.items(), strict=True):
+        per_k = result["k"]
+        for k, metrics in per_k.items():
+            rates = metrics["acceptance_rate_per_position"]
+            by_position.plot(range(1, len(rates) + 1), rates, marker="o", label=f"k={k}")
+        by_position.set(
+            title=f"{name}: acceptance rate by draft position", xlabel="draft position", ylabel="rate"
+        )
+        by_position.set(ylim=(0, 1), xticks=range(1, max(int(k) for k in per_k) + 1))
+        by_position.legend(fontsize="small")
+
+        categories = sorted({c for m in per_k.values() for c in m["per_category"]})
+        width = 0.8 / len(per_k)
+        for i, (k, metrics) in enumerate(per_k.items()):
+            taus = [metrics["mean_acceptance_length"]]
+            taus += [metrics["per_category"][c]["mean_acceptance_length"] for c in categories]
+            by_category.bar([j + i * width for j in range(len(taus))], taus, width, label=f"k={k}")
+        group_centers = [j + (len(per_k) - 1) * width / 2 for j in range(len(categories) + 1)]
+        by_category.set_xticks(group_centers, ["all", *categories], rotation=30, ha="right")
+        by_category.set(title=f"{name}: mean acceptance length (tau) by category", ylabel="tau")
+        by_category.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_path(out_png, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _check_params(params: dict) -> list[int]:
+    ks = params["k"]
+    ks = [ks] if isinstance(ks, int) else list(ks)
+    if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
+        raise ConfigError("evaluate.k", f"must be a list of integers >= 1, got {params['k']}")
+    if int(params["max_new_tokens"]) < 1:
+        raise ConfigError("evaluate.max_new_tokens", f"must be >= 1, got {params['max_new_tokens']}")
+    return sorted(set(ks))
+
+
+def load_draft(draft_dir: str, target: dict, device: torch.device, dtype: torch.dtype):
+    """The exported draft; a checkpoint without embed_tokens takes the target's (a local target dir)."""
+    from .export import load_exported
+
+    local_target = target_path(target) if Path(target_path(target)).is_dir() else None
+    return load_exported(draft_dir, device=device, dtype=dtype, target_path=local_target)
+
+
+def evaluate(
+    draft_dir: str, target: dict, eval_sets: list[dict], out_json: str, out_png: str, params: dict
+) -> dict:
+    """Evaluate the exported draft in `draft_dir` on question files; write metrics JSON and a plot."""
+    params = {**DEFAULTS, **params}
+    ks = _check_params(params)
+    device = resolve_device(params["device"])
+    tokenizer = load_target_tokenizer(target)
+    model = load_target_model(target, device)
+    draft = load_draft(draft_dir, target, device, model.dtype)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise UserError(
+            f"{draft_dir}: the draft was built for a vocabulary of {draft.config.vocab_size} tokens, the "
+            f"target '{target_path(target)}' has {model.config.vocab_size}; evaluate it with its own target"
+        )
+    max_samples = params["max_samples"]
+    results = {
+        "format_version": FORMAT_VERSIONS["evaluate"],
+        "draft": str(draft_dir),
+        "target": target_path(target),
+        "device": str(device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "k": ks,
+        "max_new_tokens": int(params["max_new_tokens"]),
+        "sets": {},
+    }
+    # Warm-up (allocator, kernels), so the first timed decode is not charged for it.
+    warm = tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
+    greedy_generate(model, warm, 4, set())
+    speculative_generate(model, draft, warm, max(ks), 4, set())
+    for eval_set in eval_sets:
+        questions = read_questions(eval_set["path"], None if max_samples is None else int(max_samples))
+        results["sets"][eval_set["name"]] = evaluate_set(
+            model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]), params["sequential_k"]
+        )
+    write_json_atomic(out_json, results)
+    plot(results, out_png)
+    return results

@@ -1,0 +1,240 @@
+"""Export the trained draft as the EAGLE-3 checkpoint vLLM and SGLang load (and optionally speculators').
+
+`out_dir/eagle3/` holds config.json (LlamaForCausalLMEagle3) and model.safetensors with exactly the names
+the engines know: fc, midlayer.*, norm, lm_head, d2t (omitted when K == V: vLLM >= 0.33 rejects it),
+t2d. embed_tokens is NOT exported by default: it is the target's frozen embedding, which vLLM and
+SGLang share from the target when the checkpoint lacks it, so writing it would only add V*H values
+(1 GB for Llama-3.1-8B). `include_embed_tokens: true` writes it anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import FORMAT_VERSIONS
+from .atomic import atomic_path, save_safetensors_atomic, write_json_atomic
+from .errors import UserError
+from .model import DraftConfig, Eagle3Draft
+from .target import load_target_head, read_target_config
+
+DEFAULTS = {
+    "dtype": "bfloat16",  # bfloat16 | float16 | float32: dtype of the exported weights
+    "include_embed_tokens": False,
+    "speculators": False,  # also write out_dir/speculators/ (speculators' eagle3 format)
+}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WEIGHT_NAMES = (
+    "fc.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+)
+
+
+def eagle3_config(c: DraftConfig, target_path: str | None = None) -> dict:
+    """config.json of the EAGLE-3 format (see docs/eagle3-facts)."""
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_theta": c.rope_theta,  # what the draft was trained with (plain RoPE, no scaling)
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "norm_before_residual": c.norm_before_residual,
+        "torch_dtype": "bfloat16",
+        # ours (engines ignore unknown config keys; they refuse unknown tensor names only)
+        "eagle3build": {
+            "draft_config": c.to_dict(),
+            "target": target_path,
+            "format_version": FORMAT_VERSIONS["export"],
+        },
+    }
+    return config
+
+
+def speculators_config(c: DraftConfig, target_path: str, target_config: dict) -> dict:
+    """speculators' eagle3 format; norm_before_residual is written because vLLM defaults it to true there."""
+    layer = {
+        k: v
+        for k, v in eagle3_config(c).items()
+        if k
+        not in (
+            "architectures",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "eagle_aux_hidden_state_layer_ids",
+            "eagle3build",
+            "norm_before_residual",
+            "torch_dtype",
+        )
+    }
+    layer["architectures"] = ["LlamaForCausalLM"]
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {
+                "name_or_path": target_path,
+                "architectures": target_config.get("architectures", ["LlamaForCausalLM"]),
+            },
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _read_weights(weights_path: str) -> tuple[dict[str, torch.Tensor], DraftConfig]:
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise UserError(f"{weights_path}: unreadable draft weights ({e}); rerun the train stage") from e
+    if "draft_config" not in meta:
+        raise UserError(
+            f"{weights_path}: no 'draft_config' metadata; not written by eagle3build's train stage"
+        )
+    return tensors, DraftConfig.from_dict(json.loads(meta["draft_config"]))
+
+
+def export(
+    weights_path: str, mapping_path: str, target_path: str, out_dir: str, params: dict | None = None
+) -> None:
+    """Write out_dir/eagle3/{config.json, model.safetensors} (+ out_dir/speculators/ if asked)."""
+    p = {**DEFAULTS, **(params or {})}
+    if p["dtype"] not in _DTYPES:
+        raise UserError(f"config key 'export.dtype': {p['dtype']!r} is not one of {sorted(_DTYPES)}")
+    dtype = _DTYPES[p["dtype"]]
+    tensors, c = _read_weights(weights_path)
+    with safe_open(str(mapping_path), framework="pt") as f:
+        d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
+    if not (torch.equal(d2t, tensors["d2t"]) and torch.equal(t2d, tensors["t2d"])):
+        raise UserError(
+            f"{mapping_path}: differs from the mapping {weights_path} was trained with; rerun train"
+        )
+    target_config = read_target_config(target_path)
+    if (
+        int(target_config["vocab_size"]) != c.vocab_size
+        or int(target_config["hidden_size"]) != c.target_hidden_size
+    ):
+        raise UserError(
+            f"{target_path}: vocab/hidden size {target_config['vocab_size']}/{target_config['hidden_size']} "
+            f"!= the draft's {c.vocab_size}/{c.target_hidden_size}; export against the training target"
+        )
+    missing = [n for n in WEIGHT_NAMES if n not in tensors]
+    if missing:
+        raise UserError(f"{weights_path}: missing tensors {missing}; rerun the train stage")
+    out = {n: tensors[n].to(dtype) for n in WEIGHT_NAMES}
+    if c.draft_vocab_size != c.vocab_size:
+        out["d2t"] = d2t
+    out["t2d"] = t2d
+    if p["include_embed_tokens"]:
+        out["embed_tokens.weight"] = load_target_head(target_path, dtype).embed_tokens
+    target_ref = os.path.abspath(target_path)
+    config = eagle3_config(c, target_ref)
+    config["torch_dtype"] = p["dtype"]
+    _write_dir(Path(out_dir) / "eagle3", config, out)
+    if p["speculators"]:
+        spec = speculators_config(c, target_ref, target_config)
+        spec["torch_dtype"] = p["dtype"]
+        _write_dir(Path(out_dir) / "speculators", spec, out)
+
+
+def _write_dir(path: Path, config: dict, tensors: dict) -> None:
+    """Both files into a temp folder, then one rename: a reader never sees half a checkpoint."""
+    with atomic_path(path) as tmp:
+        tmp.unlink()
+        tmp.mkdir()
+        write_json_atomic(tmp / "config.json", config)
+        save_safetensors_atomic(tmp / "model.safetensors", tensors, {"format": "pt"})
+        if path.exists():  # os.replace cannot replace a non-empty folder
+            import shutil
+
+            shutil.rmtree(path)
+
+
+def load_exported(
+    path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32, target_path: str | None = None
+) -> Eagle3Draft:
+    """Rebuild the draft from an exported eagle3/ dir (or its parent). embed_tokens comes from the
+    checkpoint when present, else from the target (target_path, or the path recorded at export)."""
+    path = Path(path)
+    if not (path / "config.json").exists() and (path / "eagle3" / "config.json").exists():
+        path = path / "eagle3"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / 'config.json'}: unreadable exported config ({e}); rerun export") from e
+    ours = config.get("eagle3build") or {}
+    if "draft_config" in ours:
+        c = DraftConfig.from_dict(ours["draft_config"])
+    else:  # a checkpoint from elsewhere: the standard keys say it all
+        c = DraftConfig(
+            hidden_size=config["hidden_size"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            head_dim=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
+            intermediate_size=config["intermediate_size"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=config.get("rope_theta", 10000.0),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            vocab_size=config["vocab_size"],
+            draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+            target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+            aux_layer_ids=config.get("eagle_aux_hidden_state_layer_ids", []),
+            norm_before_residual=config.get("norm_before_residual", False),
+        )
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    model = Eagle3Draft(c)
+    if "d2t" not in tensors:  # K == V: the identity mapping
+        tensors["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
+    if "t2d" not in tensors:
+        tensors["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool)
+        tensors["t2d"][torch.arange(c.draft_vocab_size) + tensors["d2t"]] = True
+    if "embed_tokens.weight" not in tensors:
+        source = target_path or ours.get("target")
+        if not source or not Path(source).exists():
+            raise UserError(
+                f"{path}: the checkpoint has no embed_tokens and the target ({source}) is not found; "
+                "pass target_path="
+            )
+        tensors["embed_tokens.weight"] = load_target_head(source).embed_tokens
+    model.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True
+    )
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,326 @@
+"""The EAGLE-3 draft head: one Llama decoder layer fed by the target's fused hidden states.
+
+Parameter names are exactly those of the EAGLE-3 checkpoint that vLLM and SGLang load
+(`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`/`t2d`), so exporting is a rename-free copy.
+
+The decoder layer is split into `qkv` (norms, projections, RoPE) and `finish` (attention output
+projection, residual, MLP) so that training-time test (ttt.py) can run its own attention pattern
+between them, while inference uses `layer` with an ordinary causal KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError
+from .target import TargetHead, default_aux_layer_ids, rms_norm
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's vocabulary V
+    draft_vocab_size: int  # K
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    norm_before_residual: bool = False
+
+    # Draft-shape keys a user may override; everything else follows from the target and the mapping.
+    OVERRIDABLE = (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rope_theta",
+        "max_position_embeddings",
+        "norm_before_residual",
+        "hidden_size",
+    )
+
+    @classmethod
+    def from_target(
+        cls,
+        target: TargetHead,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int] | None = None,
+        overrides: dict | None = None,
+    ) -> DraftConfig:
+        """Default draft shape = the target's layer shape; `overrides` (None values ignored) change it."""
+        config = cls(
+            hidden_size=target.hidden_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target.hidden_size,
+            aux_layer_ids=list(aux_layer_ids or default_aux_layer_ids(target.num_hidden_layers)),
+        )
+        for key, value in (overrides or {}).items():
+            if value is None:
+                continue
+            if key not in cls.OVERRIDABLE:
+                raise ConfigError(
+                    f"train.{key}", f"not a draft-shape key; use one of {list(cls.OVERRIDABLE)}"
+                )
+            setattr(config, key, type(getattr(config, key))(value))
+        if config.hidden_size != target.hidden_size:
+            # embed_tokens is the target's (frozen, and shared by the engines when not exported)
+            raise ConfigError(
+                "train.hidden_size",
+                f"{config.hidden_size} != the target's hidden size "
+                f"{target.hidden_size}; the draft shares the target's embedding, leave it null",
+            )
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ConfigError(
+                "train.num_key_value_heads",
+                f"{config.num_key_value_heads} does not divide "
+                f"num_attention_heads {config.num_attention_heads}",
+            )
+        if len(config.aux_layer_ids) != 3:
+            raise ConfigError(
+                "extract.aux_layer_ids", f"EAGLE-3 needs exactly 3 aux layers, got {config.aux_layer_ids}"
+            )
+        return config
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DraftConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class FusedWeights:
+    """Runtime-only concatenations of the draft's projection weights (see Eagle3Draft.fused_weights)."""
+
+    qkv: torch.Tensor  # [(nh + 2 * nkv) * hd, 2H]: q_proj; k_proj; v_proj
+    gate_up: torch.Tensor  # [2I, H]: gate_proj; up_proj
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Projections only; the attention pattern is chosen by the caller (inference or TTT)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        # fp64 -> fp32 constants; not a buffer so that model.to(bfloat16) cannot round them
+        self.inv_freq = (
+            1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        ).float()
+        self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """Follow .to(device) with inv_freq (kept fp32: a buffer would follow .to(dtype) too), so that
+        RoPE never copies it host-to-device inside a training step."""
+        super()._apply(fn, recurse)
+        self.inv_freq = self.inv_freq.to(self.fc.weight.device)
+        return self
+
+    def reset_parameters(self) -> None:
+        """Llama-style init (normal, std 0.02); norms at one."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @classmethod
+    def from_target(
+        cls,
+        config: DraftConfig,
+        target: TargetHead,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        init_lm_head_from_target: bool = True,
+    ) -> Eagle3Draft:
+        model = cls(config)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(target.embed_tokens)
+            model.d2t.copy_(d2t)
+            model.t2d.copy_(t2d)
+            if init_lm_head_from_target:
+                model.lm_head.weight.copy_(target.lm_head[model.draft_ids()])
+        return model
+
+    # ------------------------------------------------------------------ shared pieces
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of every draft id (d2t is an offset)."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, head_dim] for the positions (computed in fp32)."""
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.to(position_ids.device)  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, 3*Ht] (low, mid, high layers concatenated) -> [B, T, H]."""
+        return self.fc(aux)
+
+    def fused_weights(self, dtype: torch.dtype | None = None) -> FusedWeights:
+        """The q/k/v and gate/up weights concatenated, optionally cast once (e.g. to the autocast dtype).
+
+        One wide matmul instead of three (two) runs closer to the GPU's matrix rate, in the forward and
+        in the backward. Gradients flow back through the concatenation into the named parameters, so
+        the checkpoint layout is unchanged. Build it once per training step and pass it to
+        `qkv`/`finish` for every TTT step.
+        """
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+
+        def cat(*weights):
+            return torch.cat([w if dtype is None else w.to(dtype) for w in weights])
+
+        return FusedWeights(
+            cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+            cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+        )
+
+    def qkv(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        fused: FusedWeights | None = None,
+    ):
+        """Queries [B, nh, T, hd] and post-RoPE keys/values [B, nkv, T, hd], plus the residual."""
+        c, layer = self.config, self.midlayer
+        B, T = input_ids.shape
+        normed_hidden = layer.hidden_norm(hidden)
+        residual = normed_hidden if c.norm_before_residual else hidden
+        embeds = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+        x = torch.cat((embeds, normed_hidden), dim=-1)  # embedding first
+        attn = layer.self_attn
+        if fused is None:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        else:
+            q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            q, k, v = F.linear(x, fused.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.rope(position_ids, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v, residual
+
+    def finish(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, fused: FusedWeights | None = None
+    ) -> torch.Tensor:
+        """attn_out [B, nh, T, hd] -> the layer's pre-norm output [B, T, H]."""
+        B, _, T, _ = attn_out.shape
+        layer = self.midlayer
+        h = residual + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(B, T, -1))
+        post = layer.post_attention_layernorm(h)
+        if fused is None:
+            return h + layer.mlp(post)
+        gate, up = F.linear(post, fused.gate_up).chunk(2, dim=-1)
+        return h + layer.mlp.down_proj(F.silu(gate) * up)
+
+    def logits(self, pre_norm_out: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> draft-vocab logits [..., K]."""
+        return self.lm_head(self.norm(pre_norm_out))
+
+    # ------------------------------------------------------------------ inference
+    def layer(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """Run the decoder layer on T new positions attending causally to the cache and themselves.
+
+        Returns the pre-norm output [B, T, H] and the extended cache (keys post-RoPE,
+        [B, nkv, L+T, hd]); crop a cache by slicing dim 2.
+        """
+        q, k, v, residual = self.qkv(input_ids, hidden, position_ids)
+        if kv_cache is not None:
+            k = torch.cat((kv_cache[0], k), dim=2)
+            v = torch.cat((kv_cache[1], v), dim=2)
+        T, L = q.shape[2], k.shape[2]
+        # query i sits at cache index L-T+i and sees every key up to that index
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.finish(out, residual), (k, v)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
+
+
+def attention_scale(config: DraftConfig) -> float:
+    return 1.0 / math.sqrt(config.head_dim)

@@ -1,0 +1,435 @@
+"""Training-time test (TTT): the draft's k-step unrolled forward and its loss.
+
+Alignment (packed batch, position p of a sample of length L; `j = p + 1 + s` at step s):
+- input token   x[j]                    (step 0: the token after the aux state's position)
+- input hidden  fc(aux[p]) at s = 0, else the draft's own pre-norm output of step s-1 at p
+- RoPE position t + s (t = position of p inside its sample)
+- target        the target's distribution at j, from the stored final stream: final norm, then the
+                lm_head rows of the draft vocab only (restricted and renormalised)
+- weight        loss_mask[j + 1] (the token being predicted is an assistant token) and
+                "the target's greedy token at j over the FULL vocab is in the draft vocab";
+                rows with j + 1 past the end of their sample are dropped.
+Attention at step s: a query at p sees the step-0 keys at positions <= p of its own sample (causal,
+never across packed samples) and the keys of steps 1..s at p itself (the "diagonal"), in one softmax.
+
+Three attention implementations share everything else: `flex` (block-sparse flex attention; compiled on
+GPU), `sdpa` (dense boolean mask, fused kernels) and `reference` (dense mask, explicit softmax).
+tests/test_model_ttt.py checks them against a loop-by-loop implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .model import Eagle3Draft, attention_scale
+from .target import TargetHead, rms_norm
+
+ATTENTION_IMPLS = ("flex", "sdpa", "reference")
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class PackedBatch:
+    """Samples packed back to back (batch size 1 in the attention sense)."""
+
+    input_ids: torch.Tensor  # int64 [N]
+    loss_mask: torch.Tensor  # bool [N]
+    doc: torch.Tensor  # int64 [N]: which sample each token belongs to
+    position: torch.Tensor  # int64 [N]: position inside its sample
+    aux: torch.Tensor  # [N, 3*Ht]: aux streams, low -> mid -> high
+    final: torch.Tensor  # [N, Ht]: final stream before the target's final norm
+    greedy_in_draft: torch.Tensor | None = None  # bool [N]: target argmax (full vocab) at j is kept
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device, dtype=None) -> PackedBatch:
+        def move(t, float_dtype=None):
+            if t is None:
+                return None
+            return (
+                t.to(device=device, dtype=float_dtype, non_blocking=True)
+                if float_dtype
+                else t.to(device, non_blocking=True)
+            )
+
+        return PackedBatch(
+            move(self.input_ids),
+            move(self.loss_mask),
+            move(self.doc),
+            move(self.position),
+            move(self.aux, dtype),
+            move(self.final, dtype),
+            move(self.greedy_in_draft),
+        )
+
+
+def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> PackedBatch:
+    """Pack (input_ids [L], loss_mask [L], hidden [L, 4, Ht]) samples into one batch."""
+    lengths = torch.tensor([len(ids) for ids, _, _ in samples])
+    doc = torch.repeat_interleave(torch.arange(len(samples)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+    hidden = torch.cat([h for _, _, h in samples])
+    return PackedBatch(
+        input_ids=torch.cat([ids for ids, _, _ in samples]).long(),
+        loss_mask=torch.cat([m for _, m, _ in samples]).bool(),
+        doc=doc,
+        position=position,
+        aux=hidden[:, :3].flatten(1),
+        final=hidden[:, 3],
+    )
+
+
+def pad_batch(batch: PackedBatch, multiple: int) -> PackedBatch:
+    """Append one dummy sample so the length is a multiple of `multiple` (compiled kernels see few shapes).
+
+    The dummy sample has its own doc id (nothing attends across samples), no loss mask and zero
+    hidden states, so it carries no loss and changes no real row.
+    """
+    pad = -batch.num_tokens % multiple
+    if pad == 0:
+        return batch
+
+    def extend(t, fill):
+        return None if t is None else torch.cat((t, t.new_full((pad, *t.shape[1:]), fill)))
+
+    next_doc = int(batch.doc[-1]) + 1 if batch.num_tokens else 0
+    return PackedBatch(
+        input_ids=extend(batch.input_ids, 0),
+        loss_mask=extend(batch.loss_mask, False),
+        doc=extend(batch.doc, next_doc),
+        position=torch.cat((batch.position, torch.arange(pad, device=batch.position.device))),
+        aux=extend(batch.aux, 0),
+        final=extend(batch.final, 0),
+        greedy_in_draft=extend(batch.greedy_in_draft, False),
+    )
+
+
+def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """y[p] = x[p + n], `fill` past the end."""
+    if n == 0:
+        return x
+    return torch.cat((x[n:], x.new_full((min(n, len(x)),), fill)))
+
+
+# ---------------------------------------------------------------------------------------------- target
+class TargetScorer:
+    """The target's distribution from its stored final stream: final norm + lm_head (never [N, V] at once)."""
+
+    def __init__(
+        self,
+        target: TargetHead,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+        chunk_tokens: int = 1024,
+    ):
+        draft_ids = torch.arange(len(d2t)) + d2t
+        self.norm = target.norm.to(device, dtype)
+        self.eps = target.rms_norm_eps
+        self.lm_head = target.lm_head.to(device, dtype)  # [V, H], only for the greedy token
+        self.lm_head_draft = self.lm_head[draft_ids.to(device)]  # [K, H]
+        self.t2d = t2d.to(device)
+        self.chunk_tokens = chunk_tokens
+
+    @torch.no_grad()
+    def greedy_in_draft(self, final: torch.Tensor) -> torch.Tensor:
+        """bool [N]: the target's greedy token over the full vocab is in the draft vocab."""
+        out = []
+        for rows in final.split(self.chunk_tokens):
+            logits = rms_norm(rows.to(self.norm.dtype), self.norm, self.eps) @ self.lm_head.T
+            out.append(self.t2d[logits.argmax(-1)])
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool, device=final.device)
+
+    @torch.no_grad()
+    def draft_probs(self, final: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, K]: the target distribution restricted to the draft vocab and renormalised."""
+        logits = rms_norm(final.to(self.norm.dtype), self.norm, self.eps) @ self.lm_head_draft.T
+        return torch.softmax(logits.float(), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def _step_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
+    """Dense bool mask [N, (step+1)*N]: causal within a sample over step-0 keys + the diagonals."""
+    n = len(doc)
+    idx = torch.arange(n, device=doc.device)
+    causal = (idx[None, :] <= idx[:, None]) & (doc[None, :] == doc[:, None])
+    eye = torch.eye(n, dtype=torch.bool, device=doc.device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def reference_attention(q, keys, values, doc, step, scale):
+    """Explicit math: softmax(q k^T * scale + mask) v, kv heads repeated for GQA."""
+    k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~_step_mask(doc, step), float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+def sdpa_attention(q, keys, values, doc, step, scale):
+    mask = _step_mask(doc, step)
+    return F.scaled_dot_product_attention(
+        q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+
+
+def merge_diagonal(q, causal_out, causal_lse, keys, values, scale):
+    """Fold the diagonal keys of steps 1..s into a causal attention result, exactly.
+
+    softmax over [causal keys] ∪ [diagonals] = a convex combination of the causal output (weight
+    exp(lse_c)) and each diagonal value (weight exp(q·k_i * scale)), normalised together. The
+    diagonal scores are N dot products per head, so this costs O(N·s·hd) instead of attention over
+    (s+1)·N keys. Gradients reach q and the causal keys through `causal_lse`.
+
+    q, causal_out [1, nh, N, hd]; causal_lse [1, nh, N] (natural log, scale applied);
+    keys/values: s tensors [1, nkv, N, hd].
+    """
+    if not keys:
+        return causal_out
+    b, nh, n, hd = q.shape
+    nkv = keys[0].shape[1]
+    qg = q.view(b, nkv, nh // nkv, n, hd)  # query heads grouped by their kv head
+    diag_k = torch.stack(keys, dim=-2)  # [1, nkv, N, s, hd]
+    diag_v = torch.stack(values, dim=-2)
+    diag_scores = torch.einsum("bkgnd,bknsd->bkgns", qg, diag_k).float() * scale
+    lse = causal_lse.view(b, nkv, nh // nkv, n, 1).float()
+    weights = torch.softmax(torch.cat((lse, diag_scores), dim=-1), dim=-1)  # [1, nkv, g, N, 1+s]
+    out = weights[..., :1] * causal_out.view(qg.shape).float() + torch.einsum(
+        "bkgns,bknsd->bkgnd", weights[..., 1:], diag_v.float()
+    )
+    return out.to(q.dtype).view(b, nh, n, hd)
+
+
+class MergedAttention:
+    """TTT attention as one causal attention over the step-0 keys + an exact LSE merge of the diagonals.
+
+    The step-0 keys/values are computed once (step 0) and reused by every step; only the queries
+    change. Subclasses supply `causal` (output and log-sum-exp of doc-masked causal attention).
+    """
+
+    def causal(self, q, k, v, doc, scale):
+        raise NotImplementedError
+
+    def __call__(self, q, keys, values, doc, step, scale):
+        out, lse = self.causal(q, keys[0], values[0], doc, scale)
+        return merge_diagonal(q, out, lse, keys[1:], values[1:], scale)
+
+
+class MathMergedAttention(MergedAttention):
+    """Dense causal part with explicit softmax: the CPU check of the merge (flex has no CPU backward)."""
+
+    def causal(self, q, k, v, doc, scale):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~_step_mask(doc, 0), float("-inf"))
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v, torch.logsumexp(scores, dim=-1)
+
+
+class FlexAttention(MergedAttention):
+    """Causal part by block-sparse flex attention over the step-0 keys only (blocks above the diagonal
+    and across packed samples are skipped); its block mask is built once per batch and reused by all
+    steps, and every step calls the kernel with the same shapes (one compilation per length).
+
+    torch 2.13 has no flex backward on CPU: training on CPU uses `sdpa` (same mask, dense).
+    """
+
+    def __init__(self, compile: bool):
+        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+        self.create_block_mask = create_block_mask
+        self.flex_attention = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        self.aux_request = AuxRequest(lse=True)
+        self.compile = compile
+        self._doc = self._block_mask = None  # the batch the cached block mask belongs to
+
+    @staticmethod
+    def mask_mod(doc: torch.Tensor):
+        """Causal within a sample over the step-0 keys, N x N."""
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (doc[kv_idx] == doc[q_idx])
+
+        return mask_mod
+
+    def block_mask(self, doc: torch.Tensor):
+        # keyed on the tensor object, which the cache keeps alive: a new batch is a new doc tensor
+        if self._doc is not doc:
+            n = len(doc)
+            self._block_mask = self.create_block_mask(
+                self.mask_mod(doc), None, None, n, n, device=doc.device, _compile=self.compile
+            )
+            self._doc = doc
+        return self._block_mask
+
+    def causal(self, q, k, v, doc, scale):
+        out, aux = self.flex_attention(
+            q,
+            k,
+            v,
+            block_mask=self.block_mask(doc),
+            scale=scale,
+            enable_gqa=True,
+            return_aux=self.aux_request,
+        )
+        return out, aux.lse
+
+
+def make_attention(impl: str, compile: bool = False) -> Callable:
+    if impl == "flex":
+        return FlexAttention(compile)
+    if impl == "sdpa":
+        return sdpa_attention
+    if impl == "reference":
+        return reference_attention
+    raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
+
+
+# ---------------------------------------------------------------------------------------------- TTT
+@dataclass
+class TTTStats:
+    """Per-step sums over a batch; normalise with counts summed over the whole optimiser step."""
+
+    loss_sum: torch.Tensor  # fp32 [k], differentiable
+    correct: torch.Tensor  # [k] draft argmax == target argmax
+    count: torch.Tensor  # [k] weighted rows
+
+    def detach(self) -> TTTStats:
+        return TTTStats(self.loss_sum.detach(), self.correct, self.count)
+
+
+def step_valid(batch: PackedBatch, steps: int) -> torch.Tensor:
+    """bool [k, N]: rows that carry a loss at each step (see the module docstring)."""
+    n = batch.num_tokens
+    same_doc_next = shift(batch.doc, 1, -1) == batch.doc
+    weight = shift(batch.loss_mask, 1, False) & same_doc_next  # predicted token x[j+1] is an assistant token
+    if batch.greedy_in_draft is not None:
+        weight = weight & batch.greedy_in_draft
+    rows = []
+    for s in range(steps):
+        j_ok = shift(batch.doc, 1 + s, -1) == batch.doc  # j = p+1+s still inside p's sample
+        rows.append(shift(weight, 1 + s, False) & j_ok)
+    return torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.bool)
+
+
+def soft_cross_entropy(model: Eagle3Draft, hidden, target_probs, target_argmax, weight):
+    """Weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target argmax, weight.
+
+    hidden [N, H] (pre-norm); target_probs fp32 [N, K]; target_argmax [N]; weight [N] in {0, 1}.
+    Every row is computed and unweighted rows are zeroed rather than gathered out, so the shapes are
+    static and the step never waits on the host.
+    """
+    logits = model.logits(hidden)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    loss_sum = -(weight * (target_probs * logp).sum(-1)).sum()
+    correct = (weight * (logits.argmax(-1) == target_argmax)).sum()
+    return loss_sum, correct, weight.sum()
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _kernel(fn: Callable, compile: bool) -> Callable:
+    """`fn` itself, or its torch.compile'd version (one per function, shared by all calls)."""
+    if not compile:
+        return fn
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn.__name__]
+
+
+def _layer_in(model, fused, input_ids, hidden, position):
+    return model.qkv(input_ids, hidden, position, fused)
+
+
+def _layer_out(model, fused, attn_out, residual):
+    return model.finish(attn_out, residual, fused)
+
+
+def ttt_forward(
+    model: Eagle3Draft,
+    batch: PackedBatch,
+    target_probs: torch.Tensor,
+    steps: int,
+    attention: Callable,
+    valid: torch.Tensor | None = None,
+    compile: bool = False,
+) -> TTTStats:
+    """Unroll `steps` draft steps over a packed batch and return per-step loss sums and accuracy counts.
+
+    target_probs: fp32 [N, K] from TargetScorer.draft_probs(batch.final) (no gradient).
+    compile: torch.compile the per-step layer halves and the loss (static shapes: one compilation
+    per batch length; pad or bucket lengths when they vary).
+
+    Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order: the
+    step's output rows move down by 1 + s (rows j < 1 + s get zeros and weight 0), so the target
+    tensors are used as they are and every step's loss has the same contiguous input shapes (one
+    compilation for all steps).
+    """
+    if valid is None:
+        valid = step_valid(batch, steps)
+    n = batch.num_tokens
+    scale = attention_scale(model.config)
+    target_probs = target_probs.float()
+    target_argmax = target_probs.argmax(-1)
+    weights = valid.to(target_probs.dtype)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    fused = model.fused_weights(dtype)  # once per batch, shared by the steps
+    layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
+    loss_fn = _kernel(soft_cross_entropy, compile)
+    hidden = model.fuse(batch.aux).unsqueeze(0)  # [1, N, H]
+    keys, values, loss_sums, corrects, counts = [], [], [], [], []
+    for s in range(steps):
+        input_ids = shift(batch.input_ids, 1 + s, 0).unsqueeze(0)
+        position = (batch.position + s).unsqueeze(0)
+        q, k, v, residual = layer_in(model, fused, input_ids, hidden, position)
+        keys.append(k)
+        values.append(v)
+        hidden = layer_out(model, fused, attention(q, keys, values, batch.doc, s, scale), residual)
+        rows = max(n - 1 - s, 0)  # step rows whose target j = p + 1 + s is inside the batch
+        hidden_at_target = F.pad(hidden[0, :rows], (0, 0, n - rows, 0))
+        weight_at_target = F.pad(weights[s, :rows], (n - rows, 0))
+        loss_sum, correct, count = loss_fn(
+            model, hidden_at_target, target_probs, target_argmax, weight_at_target
+        )
+        loss_sums.append(loss_sum)
+        corrects.append(correct)
+        counts.append(count)
+    return TTTStats(torch.stack(loss_sums), torch.stack(corrects).float(), torch.stack(counts).float())
+
+
+def step_weights(steps: int, step_weight: float, device=None) -> torch.Tensor:
+    return step_weight ** torch.arange(steps, dtype=torch.float32, device=device)
+
+
+def weighted_loss(stats: TTTStats, total_count: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_s w_s * loss_sum_s / N_s, where N_s counts step s's rows over the whole optimiser step."""
+    return (weights * stats.loss_sum / total_count.clamp(min=1)).sum()
+
+
+def acceptance_length(accuracy: torch.Tensor) -> float:
+    """Simulated chain acceptance length 1 + sum_s prod_{j<=s} acc_j (includes the bonus token)."""
+    return 1.0 + float(torch.cumprod(accuracy.double(), 0).sum())
+
+
+def summarize(
+    loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor, weights: torch.Tensor
+) -> dict:
+    """Metrics from per-step sums: loss (weighted, as optimised), per-step loss/accuracy, acceptance."""
+    count = count.clamp(min=1)
+    step_loss, accuracy = loss_sum / count, correct / count
+    return {
+        "loss": float((weights.to(step_loss.device) * step_loss).sum()),
+        "step_loss": [round(float(x), 6) for x in step_loss],
+        "step_acc": [round(float(x), 6) for x in accuracy],
+        "acceptance_length": acceptance_length(accuracy),
+    }

@@ -1,0 +1,234 @@
+"""A stand-in for `vllm serve` with the extract_hidden_states method and ExampleHiddenStatesConnector.
+
+Run as `python tests/fake_vllm_server.py serve MODEL --port P ...` (what VllmServer launches when
+extract.vllm.executable is [python, this file]). It honours vLLM's HTTP contract for extraction:
+GET /health; POST /v1/completions with prompt token ids and max_tokens=1, answered with
+`kv_transfer_params.hidden_states_path` naming `{shared_storage_path}/{request_id}.safetensors`
+(`hidden_states` bf16 [T, n_ids, H], `token_ids` int64 [T]), written after the response on a
+background thread while `<file>.lock` is held with LOCK_EX, like the real connector.
+Hidden states are a deterministic function of the token ids (`expected_hidden`).
+
+Behaviour switches (environment, read at startup):
+  FAKE_VLLM_HIDDEN_SIZE   H (default 16)
+  FAKE_VLLM_STARTUP       "crash" (exit 1 after an error message) or "delay:S" (S seconds before listening)
+  FAKE_VLLM_IGNORE_SIGTERM=1  ignore SIGTERM (the manager must fall back to SIGKILL)
+  FAKE_VLLM_CONTROL       a JSON file {"fault": KIND, "remaining": N} read on every completion: the
+                          next N completions get the fault (N = -1: all). KIND: http500, corrupt,
+                          wrong_ids, nan, bad_shape, no_params, outside_path, hang.
+It also starts one "worker" child in its process group (like vLLM's engine core) and logs its pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+
+
+def expected_hidden(token_ids, layer_ids: list[int], hidden_size: int) -> np.ndarray:
+    """Deterministic [T, n_ids, H] float32 "hidden states": a function of token, position and layer."""
+    t = np.asarray(token_ids, dtype=np.float64).reshape(-1, 1, 1)
+    pos = np.arange(t.shape[0], dtype=np.float64).reshape(-1, 1, 1)
+    layer = np.asarray(layer_ids, dtype=np.float64).reshape(1, -1, 1)
+    h = np.arange(hidden_size, dtype=np.float64).reshape(1, 1, -1)
+    return (np.sin(0.37 * (t + 1) * (h + 1) / hidden_size + 0.11 * layer) * (1 + 0.01 * pos)).astype(
+        np.float32
+    )
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    bits[np.isnan(x)] = 0x7FC0
+    return bits
+
+
+def save_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Write {name: (safetensors dtype, array)} in the safetensors layout (numpy only: starts fast)."""
+    header, blobs, offset = {}, [], 0
+    for name, (dtype, arr) in tensors.items():
+        blob = np.ascontiguousarray(arr).tobytes()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+class _Faults:
+    """Reads the control file and hands out one fault per completion while any remain."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.lock = threading.Lock()
+
+    def next(self) -> str | None:
+        if self.path is None or not self.path.exists():
+            return None
+        with self.lock:
+            ctl = json.loads(self.path.read_text() or "{}")
+            remaining = ctl.get("remaining", 0)
+            if not ctl.get("fault") or remaining == 0:
+                return None
+            if remaining > 0:
+                ctl["remaining"] = remaining - 1
+                self.path.write_text(json.dumps(ctl))
+            return ctl["fault"]
+
+
+def _write_connector_file(path: str, lock_fd: int, tensors: dict, delay_s: float) -> None:
+    try:
+        time.sleep(delay_s)  # the client must wait on the lock, not see a half-written file
+        save_safetensors(path, tensors)
+    finally:
+        os.close(lock_fd)  # releases LOCK_EX
+
+
+def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, faults: _Faults):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *a):  # keep the server log short
+            pass
+
+        def _send(self, code: int, obj: dict) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, {})
+            else:
+                self._send(404, {"error": "not found"})
+
+        def do_POST(self):
+            if self.path != "/v1/completions":
+                return self._send(404, {"error": "not found"})
+            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            prompt = req.get("prompt")
+            if not isinstance(prompt, list) or not all(isinstance(x, int) for x in prompt) or not prompt:
+                return self._send(400, {"error": "prompt must be a non-empty list of token ids"})
+            if req.get("max_tokens") != 1:
+                return self._send(400, {"error": "extraction requests use max_tokens=1"})
+            if args.served_model_name and req.get("model") != args.served_model_name:
+                return self._send(404, {"error": f"model {req.get('model')!r} does not exist"})
+            if args.max_model_len and len(prompt) >= args.max_model_len:
+                return self._send(400, {"error": f"prompt of {len(prompt)} tokens exceeds max_model_len"})
+            fault = faults.next()
+            if fault == "hang":
+                time.sleep(3600)
+            if fault == "http500":
+                return self._send(500, {"error": "injected failure"})
+            if fault == "no_params":
+                return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": None})
+
+            req_id = f"cmpl-{uuid.uuid4().hex}"
+            folder = storage.parent if fault == "outside_path" else storage
+            path = str(folder / f"{req_id}.safetensors")
+            ids = np.asarray(prompt, dtype=np.int64)
+            hidden = expected_hidden(ids, layer_ids, hidden_size)
+            if fault == "wrong_ids":
+                ids = ids[::-1] + 1
+            if fault == "nan":
+                hidden[len(prompt) // 2, 1, 0] = np.nan
+            if fault == "bad_shape":
+                hidden = hidden[:, :-1]
+            lock_fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            if fault == "corrupt":
+                Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")
+                os.close(lock_fd)
+            else:
+                tensors = {"hidden_states": ("BF16", to_bf16_bits(hidden)), "token_ids": ("I64", ids)}
+                threading.Thread(target=_write_connector_file, args=(path, lock_fd, tensors, 0.05)).start()
+            self._send(
+                200,
+                {
+                    "id": req_id,
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1},
+                    "kv_transfer_params": {"hidden_states_path": path},
+                },
+            )
+
+    return Handler
+
+
+def main() -> int:
+    if len(sys.argv) < 3 or sys.argv[1] != "serve":
+        print("usage: fake_vllm_server.py serve MODEL [options]", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--speculative-config", required=True)
+    parser.add_argument("--kv-transfer-config", required=True)
+    parser.add_argument("--no-enable-chunked-prefill", action="store_true")
+    args, rest = parser.parse_known_args(sys.argv[2:])
+    print(f"fake vllm serve: starting pid {os.getpid()} model {args.model} extra {rest}", flush=True)
+
+    spec, kv = json.loads(args.speculative_config), json.loads(args.kv_transfer_config)
+    if (
+        spec.get("method") != "extract_hidden_states"
+        or kv.get("kv_connector") != "ExampleHiddenStatesConnector"
+    ):
+        print("error: needs the extract_hidden_states method and ExampleHiddenStatesConnector", flush=True)
+        return 2
+    if not args.no_enable_chunked_prefill:
+        print("error: chunked prefill must be off", flush=True)
+        return 2
+    layer_ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    storage = Path(kv["kv_connector_extra_config"]["shared_storage_path"])
+    hidden_size = int(os.environ.get("FAKE_VLLM_HIDDEN_SIZE", "16"))
+
+    startup = os.environ.get("FAKE_VLLM_STARTUP", "")
+    if startup == "crash":
+        print("torch.OutOfMemoryError: CUDA out of memory (fake)", flush=True)
+        return 1
+    if startup.startswith("delay:"):
+        time.sleep(float(startup.split(":", 1)[1]))
+    if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    print(f"fake vllm serve: worker pid {worker.pid}", flush=True)
+    storage.mkdir(parents=True, exist_ok=True)
+    handler = make_handler(
+        args, layer_ids, hidden_size, storage, _Faults(os.environ.get("FAKE_VLLM_CONTROL"))
+    )
+    server = ThreadingHTTPServer((args.host, args.port), handler)
+    server.daemon_threads = True
+    print(f"fake vllm serve: listening on {args.host}:{args.port}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

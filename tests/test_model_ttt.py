@@ -1,0 +1,268 @@
+"""The draft head and training-time test: the three attention paths agree with a loop-by-loop TTT."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eagle3build.model import DraftConfig, Eagle3Draft
+from eagle3build.target import TargetHead
+from eagle3build.ttt import (
+    MathMergedAttention,
+    TargetScorer,
+    make_attention,
+    pack,
+    step_valid,
+    step_weights,
+    ttt_forward,
+    weighted_loss,
+)
+
+torch.set_num_threads(2)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+V, K, HT = 40, 24, 16
+
+
+def tiny_target(seed=0, vocab=V, hidden=HT) -> TargetHead:
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(vocab, hidden, generator=g)
+    return TargetHead(
+        embed_tokens=embed,
+        norm=1 + 0.1 * torch.randn(hidden, generator=g),
+        lm_head=embed,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=24,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_mapping(vocab=V, k=K, seed=0):
+    kept = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:k].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return kept - torch.arange(k), t2d
+
+
+def tiny_draft(seed=0) -> tuple[Eagle3Draft, TargetHead, TargetScorer]:
+    target = tiny_target(seed)
+    d2t, t2d = tiny_mapping(seed=seed)
+    torch.manual_seed(seed)
+    model = Eagle3Draft.from_target(DraftConfig.from_target(target, K), target, d2t, t2d)
+    with torch.no_grad():  # non-trivial norms so that a swapped norm shows in the comparison
+        for module in model.modules():
+            if hasattr(module, "eps"):
+                module.weight.add_(0.2 * torch.randn_like(module.weight))
+    return model, target, TargetScorer(target, d2t, t2d)
+
+
+def random_samples(lengths, seed=0, hidden=HT):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, V, (n,), generator=g)
+        mask = torch.rand(n, generator=g) < 0.8
+        out.append((ids, mask, torch.randn(n, 4, hidden, generator=g)))
+    return out
+
+
+# ------------------------------------------------------------------ a loop-by-loop TTT, written from the facts
+def naive_ttt(model: Eagle3Draft, samples, scorer: TargetScorer, steps: int, step_weight: float):
+    c = model.config
+    layer = model.midlayer
+    groups = c.num_attention_heads // c.num_key_value_heads
+    inv_freq = [c.rope_theta ** (-2 * i / c.head_dim) for i in range(c.head_dim // 2)]
+
+    def rope(x, pos):  # x [heads, hd]: rotate pairs (i, i + hd/2) by pos * freq_i
+        half = c.head_dim // 2
+        out = x.clone()
+        for i in range(half):
+            cos, sin = math.cos(pos * inv_freq[i]), math.sin(pos * inv_freq[i])
+            out[:, i] = x[:, i] * cos - x[:, i + half] * sin
+            out[:, i + half] = x[:, i + half] * cos + x[:, i] * sin
+        return out
+
+    loss_sums, counts = [0.0] * steps, [0] * steps
+    for ids, mask, hidden in samples:
+        n = len(ids)
+        probs = scorer.draft_probs(hidden[:, 3])
+        full_logits = (
+            torch.nn.functional.rms_norm(hidden[:, 3], (HT,), eps=1e-5) * scorer.norm @ scorer.lm_head.T
+        )
+        greedy_kept = scorer.t2d[full_logits.argmax(-1)]
+        keys = [dict() for _ in range(steps)]
+        values = [dict() for _ in range(steps)]
+        prev_out = {}
+        for s in range(steps):
+            out = {}
+            for t in range(n - 1 - s):
+                h_in = model.fc(hidden[t, :3].reshape(-1)) if s == 0 else prev_out[t]
+                e = layer.input_layernorm(model.embed_tokens.weight[ids[t + 1 + s]])
+                x = torch.cat([e, layer.hidden_norm(h_in)])
+                att = layer.self_attn
+                q = rope((att.q_proj.weight @ x).view(c.num_attention_heads, c.head_dim), t + s)
+                keys[s][t] = rope((att.k_proj.weight @ x).view(c.num_key_value_heads, c.head_dim), t + s)
+                values[s][t] = (att.v_proj.weight @ x).view(c.num_key_value_heads, c.head_dim)
+                visible = [(0, u) for u in range(t + 1)] + [(i, t) for i in range(1, s + 1)]
+                heads = []
+                for hq in range(c.num_attention_heads):
+                    hk = hq // groups
+                    scores = torch.stack([q[hq] @ keys[i][u][hk] for i, u in visible]) / math.sqrt(c.head_dim)
+                    weights = torch.softmax(scores, 0)
+                    heads.append(
+                        sum(w * values[i][u][hk] for w, (i, u) in zip(weights, visible, strict=True))
+                    )
+                h = h_in + att.o_proj.weight @ torch.cat(heads)
+                post = layer.post_attention_layernorm(h)
+                mlp = layer.mlp
+                h = h + mlp.down_proj.weight @ (
+                    torch.nn.functional.silu(mlp.gate_proj.weight @ post) * (mlp.up_proj.weight @ post)
+                )
+                out[t] = h
+                j = t + 1 + s
+                if j + 1 < n and mask[j + 1] and greedy_kept[j]:
+                    logp = torch.log_softmax(model.lm_head.weight @ model.norm(h), 0)
+                    loss_sums[s] = loss_sums[s] - (probs[j] * logp).sum()
+                    counts[s] += 1
+            prev_out = out
+    return sum(step_weight**s * loss_sums[s] / max(counts[s], 1) for s in range(steps))
+
+
+def batched_loss(model, samples, scorer, steps, impl, step_weight):
+    batch = pack(samples)
+    batch.greedy_in_draft = scorer.greedy_in_draft(batch.final)
+    # "merged-math": flex's LSE-merge algorithm with a dense causal part, so it runs backward on CPU
+    attention = MathMergedAttention() if impl == "merged-math" else make_attention(impl)
+    stats = ttt_forward(model, batch, scorer.draft_probs(batch.final), steps, attention)
+    return weighted_loss(stats, stats.count, step_weights(steps, step_weight))
+
+
+def grads_of(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_three_ttt_paths_agree_with_naive_loops(steps):
+    torch.manual_seed(0)
+    model, _, scorer = tiny_draft()
+    samples = random_samples([7, 5, 9], seed=steps)
+    naive = naive_ttt(model, samples, scorer, steps, 0.8)
+    naive_grads = grads_of(model, naive)
+    assert naive.item() > 0
+    for impl in ("reference", "sdpa", "merged-math", "flex"):
+        if impl == "flex" and not torch.cuda.is_available():
+            with torch.no_grad():  # torch has no flex backward on CPU; its mask is checked separately
+                loss = batched_loss(model, samples, scorer, steps, impl, 0.8)
+            assert loss.item() == pytest.approx(naive.item(), abs=1e-5, rel=1e-5), impl
+            continue
+        loss = batched_loss(model, samples, scorer, steps, impl, 0.8)
+        assert loss.item() == pytest.approx(naive.item(), abs=1e-5, rel=1e-5), impl
+        grads = grads_of(model, loss)
+        assert set(grads) == set(naive_grads)
+        for name, g in grads.items():
+            assert torch.allclose(g, naive_grads[name], atol=1e-5, rtol=1e-4), (
+                impl,
+                name,
+                (g - naive_grads[name]).abs().max(),
+            )
+        assert model.embed_tokens.weight.grad is None  # frozen
+
+
+def test_packing_never_attends_across_samples():
+    model, _, scorer = tiny_draft()
+    samples = random_samples([6, 8], seed=3)
+    batch = pack(samples)
+    batch.greedy_in_draft = scorer.greedy_in_draft(batch.final)
+    packed = ttt_forward(model, batch, scorer.draft_probs(batch.final), 3, make_attention("reference"))
+    separate = []
+    for sample in samples:
+        b = pack([sample])
+        b.greedy_in_draft = scorer.greedy_in_draft(b.final)
+        separate.append(ttt_forward(model, b, scorer.draft_probs(b.final), 3, make_attention("reference")))
+    assert torch.allclose(packed.loss_sum, sum(s.loss_sum for s in separate), atol=1e-5)
+    assert torch.equal(packed.count, sum(s.count for s in separate))
+
+
+def test_flex_block_mask_is_the_causal_per_sample_mask():
+    """Flex attends over the step-0 keys only (the diagonals are merged by LSE): causal, per sample."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from eagle3build.ttt import FlexAttention, _step_mask
+
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 1, 7]))
+    n = len(doc)
+    mask = create_mask(FlexAttention.mask_mod(doc), None, None, n, n, device="cpu")
+    assert torch.equal(mask[0, 0], _step_mask(doc, 0))
+    assert int(mask[0, 0, 7].sum()) == 2  # doc 2 position 1: two causal keys
+
+
+def test_step_valid_alignment():
+    """Step s, row p: predicts x[p+2+s] of its own sample, weighted by that token's loss mask."""
+    ids = torch.arange(10)
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    hidden = torch.zeros(10, 4, HT)
+    batch = pack([(ids[:5], mask[:5], hidden[:5]), (ids[5:], mask[5:], hidden[5:])])
+    valid = step_valid(batch, 3)
+    # sample A (len 5, mask 0 0 1 1 1): step 0 rows p with mask[p+2]: p = 0, 1, 2
+    # sample B (len 5, mask 0 0 1 1 1 at 5..9): rows 5, 6, 7
+    assert valid[0].nonzero().flatten().tolist() == [0, 1, 2, 5, 6, 7]
+    assert valid[1].nonzero().flatten().tolist() == [0, 1, 5, 6]
+    assert valid[2].nonzero().flatten().tolist() == [0, 5]
+    batch.greedy_in_draft = torch.ones(10, dtype=torch.bool)
+    batch.greedy_in_draft[3] = False  # target greedy at j = 3 is outside the draft vocab
+    valid = step_valid(batch, 3)
+    assert valid[0].nonzero().flatten().tolist() == [0, 1, 5, 6, 7]  # p = 2 has j = 3
+    assert valid[1].nonzero().flatten().tolist() == [0, 5, 6]  # p = 1 has j = 3
+
+
+def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():
+    model, _, scorer = tiny_draft()
+    g = torch.Generator().manual_seed(1)
+    T = 9
+    ids = torch.randint(0, V, (2, T), generator=g)
+    hidden = torch.randn(2, T, model.config.hidden_size, generator=g)
+    pos = torch.arange(T).expand(2, T)
+    full, (k_full, _) = model.layer(ids, hidden, pos, None)
+    assert k_full.shape == (2, model.config.num_key_value_heads, T, model.config.head_dim)
+    part, cache = model.layer(ids[:, :4], hidden[:, :4], pos[:, :4], None)
+    rest, cache = model.layer(ids[:, 4:], hidden[:, 4:], pos[:, 4:], cache)
+    assert torch.allclose(torch.cat([part, rest], 1), full, atol=1e-5)
+    # cropping the cache (rejected tokens) and re-running gives the same outputs
+    cropped = (cache[0][:, :, :6], cache[1][:, :, :6])
+    again, _ = model.layer(ids[:, 6:], hidden[:, 6:], pos[:, 6:], cropped)
+    assert torch.allclose(again, full[:, 6:], atol=1e-5)
+    # TTT step 0 is the same causal layer (input token shifted by one)
+    aux = torch.randn(T, 3 * HT, generator=g)
+    x = torch.randint(0, V, (T,), generator=g)
+    batch = pack(
+        [(x, torch.ones(T, dtype=torch.bool), torch.cat([aux.view(T, 3, HT), torch.randn(T, 1, HT)], 1))]
+    )
+    valid = torch.ones(1, T, dtype=torch.bool)
+    valid[0, -1] = False
+    stats = ttt_forward(model, batch, scorer.draft_probs(batch.final), 1, make_attention("reference"), valid)
+    out, _ = model.layer(
+        x[1:].unsqueeze(0), model.fuse(aux[:-1]).unsqueeze(0), torch.arange(T - 1).unsqueeze(0)
+    )
+    logp = torch.log_softmax(model.logits(out[0]), -1)
+    expected = -(scorer.draft_probs(batch.final)[1:] * logp).sum()
+    assert stats.loss_sum[0].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_lm_head_initialised_from_target_rows_and_d2t_maps():
+    model, target, _ = tiny_draft()
+    kept = model.draft_ids()
+    assert torch.equal(model.lm_head.weight, target.lm_head[kept])
+    assert torch.equal(model.draft_to_target(torch.arange(K)), kept)
+    assert bool(model.t2d[kept].all()) and int(model.t2d.sum()) == K

@@ -1,0 +1,281 @@
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fake_openai_server import FakeOpenAIServer, fake_answer  # noqa: E402
+
+from eagle3build.errors import UserError  # noqa: E402
+from eagle3build.regenerate import regenerate_shard  # noqa: E402
+
+torch.set_num_threads(1)
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES = SHARED / "assets" / "models" / "stories260K"
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CONVERSATIONS = [
+    {
+        "id": "chat:0",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "OLD ANSWER 1"},
+            {"role": "user", "content": "and then?"},
+            {"role": "assistant", "content": "OLD ANSWER 2"},
+        ],
+    },
+    {"id": "question:1", "messages": [{"role": "user", "content": "what is two plus two"}]},
+    {"id": "empty:2", "messages": [{"role": "system", "content": "no user turn here"}]},
+    {
+        "id": "tool:3",
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "OLD: it is sunny"},
+            {"role": "user", "content": "thanks"},
+        ],
+    },
+]
+
+
+def write_shard(path: Path, samples: list[dict]) -> str:
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return str(path)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def openai_params(server: FakeOpenAIServer, **overrides) -> dict:
+    params = {
+        "backend": "openai",
+        "url": server.url + "/v1",
+        "concurrency": 4,
+        "timeout_s": 5.0,
+        "max_retries": 3,
+        "retry_backoff_s": 0.01,
+        "max_new_tokens": 64,
+    }
+    return {**params, **overrides}
+
+
+def run(tmp_path, samples, params, target=None):
+    shard = write_shard(tmp_path / "in.jsonl", samples)
+    out, report_path = str(tmp_path / "out.jsonl"), str(tmp_path / "out.json")
+    report = regenerate_shard(shard, out, report_path, target or {"path": "unused"}, params)
+    assert json.loads(Path(report_path).read_text()) == report
+    return read_jsonl(out), report
+
+
+def test_multi_turn_replay_uses_generated_answers_as_context(tmp_path):
+    with FakeOpenAIServer() as server:
+        out, report = run(tmp_path, CONVERSATIONS, openai_params(server))
+    assert [s["id"] for s in out] == ["chat:0", "question:1", "tool:3"]
+    chat = out[0]["messages"]
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant"]
+    assert chat[0]["content"] == "be brief"
+    assert chat[2]["content"] == fake_answer(chat[:2])[0] == "reply 1: ereht olleh"
+    assert chat[4]["content"] == fake_answer(chat[:4])[0]
+    assert "OLD" not in json.dumps(out)
+    # The second turn's request carried the target's own first answer, not the dataset's.
+    second = [r for r in server.requests if len(r["messages"]) == 4]
+    assert len(second) == 1 and second[0]["messages"][2]["content"] == "reply 1: ereht olleh"
+    # The tool conversation ends before the tool message (its results answer calls no longer made).
+    tool = out[2]
+    assert tool["tools"] == TOOLS
+    assert [m["role"] for m in tool["messages"]] == ["user", "assistant"]
+    tool_requests = [r for r in server.requests if r["messages"][0]["content"] == "weather in Paris?"]
+    assert tool_requests[0]["tools"] == TOOLS
+    assert report["samples"] == 4
+    assert (report["ok"], report["failed"], report["skipped"], report["truncated"]) == (3, 0, 1, 0)
+    assert report["cut_at_tool"] == 1 and report["written"] == 3
+    assert not (tmp_path / "out.jsonl.partial.jsonl").exists()
+
+
+def test_retries_on_500_and_garbage_and_hang(tmp_path):
+    samples = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)]
+    with FakeOpenAIServer(hang_s=3.0) as server:
+        server.fail_next, server.garbage_next, server.hang_next = 2, 1, 1
+        start = time.monotonic()
+        out, report = run(
+            tmp_path, samples, openai_params(server, concurrency=1, timeout_s=0.5, max_retries=4)
+        )
+        elapsed = time.monotonic() - start
+    assert report["ok"] == 3 and report["failed"] == 0
+    assert [s["messages"][1]["content"] for s in out] == [f"reply 1: {i} noitseuq" for i in range(3)]
+    assert len(server.requests) == 3 + 4  # each misbehaving answer cost one more request
+    assert elapsed < 3.0  # the hung request was abandoned at its timeout, not waited for
+
+
+def test_failed_samples_are_dropped_and_counted(tmp_path):
+    samples = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
+    with FakeOpenAIServer() as server:
+        server.fail_if_contains = "q2"
+        out, report = run(tmp_path, samples, openai_params(server, max_retries=2, max_failed_fraction=0.5))
+    assert [s["id"] for s in out] == ["q0", "q1", "q3"]
+    assert report["failed"] == 1 and report["ok"] == 3
+    assert report["errors"][0]["id"] == "q2" and "HTTP 500" in report["errors"][0]["error"]
+    assert sum(r["messages"][0]["content"] == "q2" for r in server.requests) == 3  # 1 try + 2 retries
+
+
+def test_too_many_failures_raise_and_resume_retries_only_those(tmp_path):
+    samples = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
+    with FakeOpenAIServer() as server:
+        server.fail_if_contains = "q3"
+        params = openai_params(server, max_retries=0, max_failed_fraction=0.0)
+        with pytest.raises(UserError, match="1 of 5 conversations failed"):
+            run(tmp_path, samples, params)
+        assert not (tmp_path / "out.jsonl").exists()
+        partial = tmp_path / "out.jsonl.partial.jsonl"
+        assert len(partial.read_text().splitlines()) == 1 + 4
+        with partial.open("a") as f:  # a kill in the middle of a write leaves a torn line
+            f.write('{"index": 3, "resu')
+        server.fail_if_contains = None
+        server.requests.clear()
+        out, report = run(tmp_path, samples, params)
+    assert [r["messages"][0]["content"] for r in server.requests] == ["q3"]
+    assert report["resumed"] == 4 and report["ok"] == 5 and report["failed"] == 0
+    assert [s["id"] for s in out] == [f"q{i}" for i in range(5)]
+    assert not partial.exists()
+
+
+def test_partial_file_from_other_settings_is_ignored(tmp_path):
+    samples = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
+    with FakeOpenAIServer() as server:
+        server.fail_if_contains = "q1"
+        with pytest.raises(UserError):
+            run(tmp_path, samples, openai_params(server, max_retries=0, max_failed_fraction=0.0))
+        server.fail_if_contains = None
+        server.requests.clear()
+        _, report = run(tmp_path, samples, openai_params(server, max_retries=0, temperature=0.7))
+    assert report["resumed"] == 0 and len(server.requests) == 2
+
+
+def test_concurrency_and_input_order(tmp_path):
+    samples = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(8)]
+    with FakeOpenAIServer(delay_s=0.2) as server:
+        start = time.monotonic()
+        out, _ = run(tmp_path, samples, openai_params(server, concurrency=4))
+        elapsed = time.monotonic() - start
+    assert server.max_in_flight == 4
+    assert elapsed < 8 * 0.2
+    assert [s["id"] for s in out] == [f"q{i}" for i in range(8)]
+
+
+def test_truncated_counted_and_optionally_dropped(tmp_path):
+    samples = [
+        {"id": "short", "messages": [{"role": "user", "content": "a"}]},
+        {"id": "long", "messages": [{"role": "user", "content": "a b c d e f"}]},
+    ]
+    with FakeOpenAIServer() as server:
+        out, report = run(tmp_path, samples, openai_params(server, max_new_tokens=4))
+        assert report["truncated"] == 1 and len(out) == 2
+        out, report = run(tmp_path, samples, openai_params(server, max_new_tokens=4, drop_truncated=True))
+    assert [s["id"] for s in out] == ["short"] and report["written"] == 1
+
+
+def test_no_server_is_a_user_error(tmp_path):
+    params = {"backend": "openai", "url": "http://127.0.0.1:9", "timeout_s": 1.0}
+    with pytest.raises(UserError, match="no OpenAI-compatible server"):
+        run(tmp_path, CONVERSATIONS[:1], params)
+
+
+def test_wrong_model_name_is_a_user_error(tmp_path):
+    with FakeOpenAIServer() as server:
+        with pytest.raises(UserError, match="regenerate.model"):
+            run(tmp_path, CONVERSATIONS[:1], openai_params(server, model="other"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# hf backend on a real (tiny) model
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'user' %}User: {{ m.content }}\n"
+    "{% elif m.role == 'assistant' %}Assistant: {{ m.content }}{{ eos_token }}\n"
+    "{% else %}{{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+@pytest.fixture
+def stories_target(tmp_path):
+    if not STORIES.is_dir():
+        pytest.skip(f"shared assets not found at {STORIES}")
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    return {
+        "path": str(STORIES),
+        "revision": None,
+        "trust_remote_code": False,
+        "chat_template": str(template),
+    }
+
+
+def reference_greedy(target: dict, messages: list[dict], max_new_tokens: int) -> str:
+    """Unbatched greedy generate, written out by hand from transformers' own API."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target["path"])
+    tokenizer.chat_template = Path(target["chat_template"]).read_text()
+    model = AutoModelForCausalLM.from_pretrained(target["path"], dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
+    new = out[0, ids["input_ids"].shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target):
+    samples = [
+        {
+            "id": "a",
+            "messages": [
+                {"role": "user", "content": "Once upon a time there was a cat."},
+                {"role": "assistant", "content": "OLD"},
+                {"role": "user", "content": "What did the cat do?"},
+            ],
+        },
+        {"id": "b", "messages": [{"role": "user", "content": "Lily went to the park with her mom."}]},
+        {"id": "c", "messages": [{"role": "user", "content": "Tom had a red ball."}]},
+    ]
+    params = {"backend": "hf", "batch_size": 2, "max_new_tokens": 24, "device": "cpu"}
+    out, report = run(tmp_path, samples, params, stories_target)
+    assert (report["ok"], report["failed"], report["skipped"]) == (3, 0, 0)
+    a = out[0]["messages"]
+    assert [m["role"] for m in a] == ["user", "assistant", "user", "assistant"]
+    assert "OLD" not in json.dumps(out)
+    # Each batched, left-padded answer equals an unbatched greedy decode of the same context,
+    # and turn 2 is answered after the model's own turn-1 answer.
+    assert a[1]["content"] == reference_greedy(stories_target, a[:1], 24)
+    assert a[3]["content"] == reference_greedy(stories_target, a[:3], 24)
+    assert out[1]["messages"][1]["content"] == reference_greedy(stories_target, out[1]["messages"][:1], 24)
+    assert out[2]["messages"][1]["content"] == reference_greedy(stories_target, out[2]["messages"][:1], 24)
+    # A 24-token budget stops (almost) every story mid-sentence: the count must say so.
+    assert report["truncated"] >= 1
+
+
+def test_hf_backend_sampling_is_seeded(tmp_path, stories_target):
+    samples = [{"id": "b", "messages": [{"role": "user", "content": "Lily went to the park."}]}]
+    params = {"backend": "hf", "max_new_tokens": 16, "device": "cpu", "temperature": 1.0, "seed": 3}
+    first, _ = run(tmp_path, samples, params, stories_target)
+    again, _ = run(tmp_path, samples, params, stories_target)
+    other, _ = run(tmp_path, samples, {**params, "seed": 4}, stories_target)
+    assert first == again
+    assert first != other
+
+
+def test_hf_backend_without_template_is_a_user_error(tmp_path, stories_target):
+    target = {**stories_target, "chat_template": None}
+    with pytest.raises(UserError, match="target.chat_template"):
+        run(tmp_path, CONVERSATIONS[1:2], {"backend": "hf", "device": "cpu"}, target)

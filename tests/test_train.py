@@ -1,0 +1,342 @@
+"""The trainer: learning, exact resume after SIGKILL, fresh start on changed params, input validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3build.errors import UserError
+from eagle3build.shards import HiddenShardWriter, _cu_seqlens, read_meta
+from eagle3build.train import train
+
+torch.set_num_threads(2)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_hidden_shards(
+    model_dir: Path,
+    out: Path,
+    n_shards=2,
+    samples_per_shard=6,
+    seed=0,
+    min_len=8,
+    max_len=20,
+    model_id="tiny-llama",
+) -> list[str]:
+    """Real hidden states of a small HF Llama on random token sequences, as hidden shards."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n_layers = model.config.num_hidden_layers
+    layer_ids = [2, n_layers // 2, n_layers - 3, n_layers]
+    g = torch.Generator().manual_seed(seed)
+    paths = []
+    for shard in range(n_shards):
+        ids, masks = [], []
+        for _ in range(samples_per_shard):
+            n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+            # a small alphabet makes the target's next-token distribution learnable from few samples
+            ids.append(torch.randint(0, 24, (n,), generator=g))
+            mask = torch.zeros(n, dtype=torch.uint8)
+            mask[n // 3 :] = 1  # "assistant" tail
+            masks.append(mask)
+        flat_ids = torch.cat(ids)
+        cu = _cu_seqlens([len(x) for x in ids])
+        path = out / f"{shard:05d}.safetensors"
+        with HiddenShardWriter(
+            path,
+            flat_ids,
+            torch.cat(masks),
+            cu,
+            model.config.hidden_size,
+            "bf16",
+            {"model": model_id, "revision": None, "layer_ids": layer_ids},
+        ) as writer:
+            for i, x in enumerate(ids):
+                with torch.no_grad():
+                    hs = model(x[None], output_hidden_states=True).hidden_states
+                # hidden_states[N] is after the final norm in HF; the pre-norm stream is what we store
+                pre_norm = _pre_norm_final(model, x)
+                rows = torch.stack(
+                    [hs[layer_ids[0]][0], hs[layer_ids[1]][0], hs[layer_ids[2]][0], pre_norm], 1
+                )
+                writer.write(int(cu[i]), rows)
+        paths.append(str(path))
+    return paths
+
+
+def _pre_norm_final(model, x):
+    captured = {}
+    handle = model.model.norm.register_forward_hook(lambda m, inp, out: captured.setdefault("h", inp[0]))
+    with torch.no_grad():
+        model(x[None])
+    handle.remove()
+    return captured["h"][0]
+
+
+def write_mapping(path: Path, vocab: int, kept: list[int]) -> str:
+    kept_t = torch.tensor(sorted(kept))
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept_t] = True
+    save_file({"d2t": kept_t - torch.arange(len(kept_t)), "t2d": t2d}, str(path))
+    return str(path)
+
+
+def sharp_llama(path: Path) -> Path:
+    """A random Llama (6 layers, hidden 32, vocab 128) whose next-token distribution is peaked, mostly on
+    ids < 64 (a random Llama's is nearly uniform: nothing for a draft to learn)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+        model.lm_head.weight[64:].mul_(0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def make_inputs(root: Path, **shard_kwargs) -> dict:
+    target = sharp_llama(root / "target")
+    (root / "hidden").mkdir()
+    shards = write_hidden_shards(target, root / "hidden", **shard_kwargs)
+    mapping = write_mapping(root / "mapping.safetensors", 128, list(range(64)))
+    return {"shards": shards, "mapping": mapping, "target": str(target), "root": root}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("train_inputs"))
+
+
+FAST = {
+    "epochs": 3,
+    "batch_tokens": 48,
+    "ttt_steps": 3,
+    "lr": 3e-3,
+    "log_every": 1,
+    "checkpoint_every": 4,
+    "val_fraction": 0.2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+}
+
+
+def run(inputs, tmp_path, **params):
+    out, state = tmp_path / "out", tmp_path / "state"
+    summary = train(
+        inputs["shards"], inputs["mapping"], inputs["target"], str(out), str(state), {**FAST, **params}
+    )
+    return summary, out, state
+
+
+def test_training_lowers_the_loss_and_writes_outputs(inputs, tmp_path):
+    summary, out, state = run(inputs, tmp_path, epochs=8)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if x["split"] == "train"]
+    val_lines = [x for x in lines if x["split"] == "val"]
+    assert len(train_lines) == summary["steps"] and val_lines
+    first, last = train_lines[0], train_lines[-1]
+    assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
+    assert len(last["step_acc"]) == 3 and last["acceptance_length"] >= 1.0
+    assert val_lines[-1]["loss"] < val_lines[0]["loss"]  # held-out samples improve too
+    weights = load_file(str(out / "draft.safetensors"))
+    assert "fc.weight" in weights and "midlayer.self_attn.q_proj.weight" in weights
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert "embed_tokens.weight" not in weights  # frozen copy of the target's: not a trained weight
+    saved = json.loads((out / "summary.json").read_text())
+    best = max(val_lines, key=lambda x: x["acceptance_length"])
+    assert saved["best_step"] == best["step"]
+    assert read_meta(out / "draft.safetensors")["step"] == best["step"]
+    assert any((out / "tb").iterdir())
+    assert not list(out.glob(".*tmp"))
+
+
+def _final_weights(out: Path) -> dict:
+    state = sorted((out.parent / "state").glob("*/ckpt-*.safetensors"))[-1]
+    return {k: v for k, v in load_file(str(state)).items() if k.startswith(("model.", "optim."))}
+
+
+KILL_PARAMS = {**FAST, "epochs": 8, "checkpoint_every": 2, "eval_every": 1000, "keep_checkpoints": 100}
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(inputs, tmp_path):
+    # uninterrupted reference
+    ref_dir = tmp_path / "ref"
+    summary = train(
+        inputs["shards"],
+        inputs["mapping"],
+        inputs["target"],
+        str(ref_dir / "out"),
+        str(ref_dir / "state"),
+        KILL_PARAMS,
+    )
+    total = summary["steps"]
+    # the same run in a subprocess, killed with SIGKILL once a few checkpoints exist
+    run_dir = tmp_path / "killed"
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(2)
+        from eagle3build.train import train
+        train({inputs["shards"]!r}, {inputs["mapping"]!r}, {inputs["target"]!r}, {str(run_dir / "out")!r},
+              {str(run_dir / "state")!r}, {KILL_PARAMS!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((run_dir / "state").glob("*/ckpt-*.safetensors"))) < 2:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    done = sorted((run_dir / "state").glob("*/ckpt-*.safetensors"))
+    assert done and int(done[-1].stem.split("-")[1]) < total, "the run finished before it could be killed"
+    assert not (run_dir / "out" / "draft.safetensors").exists()
+    summary2 = train(
+        inputs["shards"],
+        inputs["mapping"],
+        inputs["target"],
+        str(run_dir / "out"),
+        str(run_dir / "state"),
+        KILL_PARAMS,
+    )
+    assert 0 < summary2["resumed_from_step"] < total
+    ref, resumed = _final_weights(ref_dir / "out"), _final_weights(run_dir / "out")
+    assert set(ref) == set(resumed)
+    for name in ref:
+        assert torch.allclose(ref[name], resumed[name], atol=1e-6, rtol=1e-6), name
+    ref_lines = (ref_dir / "out" / "metrics.jsonl").read_text().splitlines()
+    resumed_lines = (run_dir / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in ref_lines] == [json.loads(x)["step"] for x in resumed_lines]
+
+
+def test_changed_params_start_fresh_same_params_resume(inputs, tmp_path, capfd):
+    params = {**FAST, "epochs": 1}
+    first, out, state = run(inputs, tmp_path, **params)
+    assert first["resumed_from_step"] == 0
+    again, _, _ = run(inputs, tmp_path, **params)
+    assert again["resumed_from_step"] == first["steps"]  # nothing left to do: same result, no retraining
+    changed, _, _ = run(inputs, tmp_path, **{**params, "lr": 1e-3})
+    assert changed["resumed_from_step"] == 0 and changed["params_hash"] != first["params_hash"]
+    assert "starting fresh" in capfd.readouterr().err
+    assert len([x for x in state.iterdir() if x.is_dir()]) == 2  # the other run's state is kept
+
+
+def test_checkpoint_of_another_run_is_refused(inputs, tmp_path):
+    summary, out, state = run(inputs, tmp_path, epochs=1)
+    ckpt = sorted((state / summary["params_hash"]).glob("ckpt-*.safetensors"))[-1]
+    other = {**FAST, "epochs": 1, "lr": 5e-4}
+    from eagle3build.train import params_hash, resolve_params  # noqa: F401
+
+    # place the checkpoint where a run with other params looks for its state
+    first = train(
+        inputs["shards"],
+        inputs["mapping"],
+        inputs["target"],
+        str(tmp_path / "o2"),
+        str(tmp_path / "s2"),
+        {**other, "max_steps": 1},
+    )
+    target_dir = tmp_path / "s2" / first["params_hash"]
+    for old in target_dir.glob("ckpt-*"):
+        old.unlink()
+    (target_dir / "ckpt-99999999.safetensors").write_bytes(ckpt.read_bytes())
+    with pytest.raises(UserError, match=r"ckpt-99999999.*params hash"):
+        train(
+            inputs["shards"],
+            inputs["mapping"],
+            inputs["target"],
+            str(tmp_path / "o2"),
+            str(tmp_path / "s2"),
+            {**other, "max_steps": 1},
+        )
+
+
+def test_bad_inputs_raise_user_errors_naming_the_file(inputs, tmp_path):
+    shards, mapping, target = inputs["shards"], inputs["mapping"], inputs["target"]
+    root = tmp_path
+
+    def expect(match, hidden=shards, mapping_path=mapping, target_path=target, params=None):
+        with pytest.raises(UserError, match=match):
+            train(
+                hidden,
+                mapping_path,
+                target_path,
+                str(root / "o"),
+                str(root / "s"),
+                {**FAST, **(params or {})},
+            )
+
+    # a shard from another model (other model id / layer ids)
+    (root / "other").mkdir()
+    odd = write_hidden_shards(
+        Path(target), root / "other", n_shards=1, samples_per_shard=2, model_id="someone-else"
+    )
+    expect(r"other/00000.safetensors: model 'someone-else' differs", hidden=[shards[0], odd[0]])
+    # mapping for another vocab size
+    bad_map = write_mapping(root / "map200.safetensors", 200, list(range(10)))
+    expect(r"map200.safetensors: t2d covers 200 ids but the target's vocab_size is 128", mapping_path=bad_map)
+    # corrupted shard (truncated)
+    broken = root / "broken.safetensors"
+    broken.write_bytes(Path(shards[0]).read_bytes()[:5000])
+    expect(r"broken.safetensors", hidden=[str(broken)])
+    # no trainable sample (all loss masks zero)
+    empty_dir = root / "empty"
+    empty_dir.mkdir()
+    ids = torch.randint(0, 24, (10,))
+    path = empty_dir / "00000.safetensors"
+    with HiddenShardWriter(
+        path,
+        ids,
+        torch.zeros(10, dtype=torch.uint8),
+        _cu_seqlens([10]),
+        32,
+        "bf16",
+        {"model": "tiny-llama", "revision": None, "layer_ids": [2, 3, 3, 6]},
+    ) as w:
+        w.write(0, torch.randn(10, 4, 32))
+    expect(r"no sample .* has an assistant token", hidden=[str(path)])
+    # a target of another width
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wide = root / "wide"
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
+    ).save_pretrained(wide)
+    expect(r"00000.safetensors: hidden_size 32 != the target's 48", target_path=str(wide))
+    expect(r"train.nonsense", params={"nonsense": 1})
+    assert not (root / "o" / "draft.safetensors").exists()
+
+
+def test_deterministic_on_cpu(inputs, tmp_path):
+    a, out_a, _ = run(inputs, tmp_path / "a", epochs=1)
+    b, out_b, _ = run(inputs, tmp_path / "b", epochs=1)
+    wa, wb = load_file(str(out_a / "draft.safetensors")), load_file(str(out_b / "draft.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert os.path.getsize(out_a / "metrics.jsonl") > 0

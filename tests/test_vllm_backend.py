@@ -1,0 +1,354 @@
+"""The vLLM backend against tests/fake_vllm_server.py: command, lifecycle, sharing, retries, conversion."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3build import vllm_backend
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.shards import read_hidden, read_tokens, write_tokens
+from eagle3build.vllm_backend import VllmServer, build_command, extract_shard_vllm, stop_servers
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_vllm_server  # noqa: E402
+
+torch.set_num_threads(1)
+FAKE = str(Path(__file__).with_name("fake_vllm_server.py"))
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN = 16
+LAYER_IDS = [2, 4, 5, 8]
+
+
+def expected_hidden(token_ids) -> torch.Tensor:
+    """What the fake server sends for these ids: its float32 values rounded to bf16, as float32."""
+    values = fake_vllm_server.expected_hidden(token_ids.numpy(), LAYER_IDS, HIDDEN)
+    return torch.from_numpy(values).to(torch.bfloat16).float()
+
+
+def make_params(run_dir: Path, **vllm_overrides) -> dict:
+    env = {"FAKE_VLLM_HIDDEN_SIZE": str(HIDDEN), "FAKE_VLLM_CONTROL": str(run_dir / "control.json")}
+    env.update(vllm_overrides.pop("env", {}))
+    vllm = {
+        "executable": [sys.executable, FAKE],
+        "env": env,
+        "startup_timeout_s": 30,
+        "request_timeout_s": 10,
+        "idle_timeout_s": 600,
+        "concurrency": 3,
+        "retries": 2,
+        **vllm_overrides,
+    }
+    return {
+        "model": "org/fake-target",
+        "revision": None,
+        "trust_remote_code": False,
+        "layer_ids": list(LAYER_IDS),
+        "hidden_size": HIDDEN,
+        "storage_dtype": "bf16",
+        "image": "vllm/vllm-openai:v0-test@sha256:abc",
+        "vllm": vllm,
+    }
+
+
+def set_fault(run_dir: Path, fault: str | None, count: int = -1) -> None:
+    (run_dir / "control.json").write_text(json.dumps({"fault": fault, "remaining": count}))
+
+
+def make_token_shard(path: Path, lengths=(5, 17, 1, 33, 9), seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32) for n in lengths]
+    masks = [torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8) for n in lengths]
+    write_tokens(path, ids, masks, {"dataset": "t"})
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    yield d
+    stop_servers(d)
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """One healthy fake server reused by the tests that only vary the injected faults."""
+    d = tmp_path_factory.mktemp("shared") / "run"
+    d.mkdir()
+    yield d
+    stop_servers(d)
+
+
+def _server_state(run_dir: Path):
+    return VllmServer(run_dir, make_params(run_dir)).read_state()
+
+
+def _alive(pid: int) -> bool:
+    return vllm_backend._proc_start_ticks(pid) is not None
+
+
+def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _worker_pid(log: Path) -> int:
+    lines = [ln for ln in log.read_text().splitlines() if "worker pid" in ln]
+    return int(lines[-1].split()[-1])
+
+
+# ---------------------------------------------------------------- command line
+def test_command_has_the_extraction_flags_and_no_shell(tmp_path):
+    params = make_params(tmp_path, tensor_parallel_size=8, max_model_len=4096, extra_args=["--enforce-eager"])
+    params["vllm"]["executable"] = "vllm"
+    cmd = build_command(params, 1234, "/dev/shm/hs")
+    assert cmd[:3] == ["vllm", "serve", "org/fake-target"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "--no-enable-chunked-prefill" in cmd and cmd[-1] == "--enforce-eager"
+    assert "--trust-remote-code" not in cmd and "--revision" not in cmd
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/dev/shm/hs"
+
+    params.update(trust_remote_code=True, revision="a" * 40)
+    cmd = build_command(params, 1234, "/x")
+    assert "--trust-remote-code" in cmd
+    for flag in ("--revision", "--code-revision", "--tokenizer-revision"):
+        assert cmd[cmd.index(flag) + 1] == "a" * 40
+    params["trust_remote_code"] = "yes"  # only a real `true` grants remote code
+    assert "--trust-remote-code" not in build_command(params, 1, "/x")
+
+
+def test_workflow_params_read_n_and_h_from_the_target_config(tmp_path):
+    model = tmp_path / "target"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": HIDDEN}))
+    params = make_params(tmp_path)
+    for key in ("model", "revision", "trust_remote_code", "layer_ids", "hidden_size"):
+        del params[key]
+    params.update(
+        target={"path": str(model), "revision": None, "trust_remote_code": False}, aux_layer_ids=[2, 4, 5]
+    )
+    resolved = vllm_backend.resolve_params(params)
+    assert resolved["layer_ids"] == LAYER_IDS and resolved["hidden_size"] == HIDDEN
+    cmd = build_command(params, 1, "/x")
+    assert resolved["model"] == str(model) and cmd[cmd.index("serve") + 1] == str(model)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"extra_args": "--enforce-eager"}, "extra_args"),
+        ({"concurrency": 0}, "concurrency"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_server_config_names_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=f"extract.vllm.{key}"):
+        build_command(make_params(tmp_path, **override), 1, "/x")
+
+
+# ---------------------------------------------------------------- conversion
+@pytest.mark.parametrize("storage_dtype", ["bf16", "fp8"])
+def test_extract_writes_the_hidden_shard_format(shared_run, tmp_path, storage_dtype):
+    set_fault(shared_run, None)
+    tokens, out = tmp_path / "00000.safetensors", tmp_path / "hidden" / "00000.safetensors"
+    make_token_shard(tokens)
+    params = make_params(shared_run)
+    params["storage_dtype"] = storage_dtype
+    extract_shard_vllm(str(tokens), str(out), params, str(shared_run))
+
+    src, got = read_tokens(tokens), read_hidden(out)
+    assert torch.equal(got.input_ids, src.input_ids) and torch.equal(got.loss_mask, src.loss_mask)
+    assert torch.equal(got.cu_seqlens, src.cu_seqlens)
+    assert got.hidden.shape == (src.input_ids.numel(), 4, HIDDEN)
+    for i in range(src.num_samples):
+        ids, _ = src.sample(i)
+        want = expected_hidden(ids)
+        if storage_dtype == "bf16":
+            assert torch.equal(got.sample(i)[2], want)
+        else:  # e4m3 with one scale per (token, slot) row: ~2^-4 relative error
+            torch.testing.assert_close(got.sample(i)[2], want, atol=0.07, rtol=0.07)
+    assert got.meta["layer_ids"] == LAYER_IDS and got.meta["backend"] == "vllm"
+    assert got.meta["model"] == "org/fake-target" and got.meta["image"] == params["image"]
+    assert got.meta["storage_dtype"] == storage_dtype and got.meta["format"] == "eagle3build.hidden"
+    connector = VllmServer(shared_run, params).storage_path
+    assert list(connector.iterdir()) == []  # every connector file and lock was deleted
+
+
+def test_transient_faults_are_retried(shared_run, tmp_path):
+    set_fault(shared_run, "corrupt", 2)
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(4, 6, 8))
+    extract_shard_vllm(str(tokens), str(out), make_params(shared_run), str(shared_run))
+    assert json.loads((shared_run / "control.json").read_text())["remaining"] == 0
+    assert read_hidden(out).hidden.isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("corrupt", "unreadable connector file"),
+        ("wrong_ids", "other token ids"),
+        ("nan", "non-finite"),
+        ("bad_shape", "expected \\[T, n_ids, H\\]"),
+        ("http500", "HTTP 500"),
+        ("no_params", "hidden_states_path"),
+    ],
+)
+def test_persistent_faults_fail_naming_the_sample(shared_run, tmp_path, fault, message):
+    set_fault(shared_run, fault)
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(7,))
+    params = make_params(shared_run, retries=1)
+    with pytest.raises(UserError, match=f"sample 0 \\(7 tokens\\).*2 attempts.*{message}"):
+        extract_shard_vllm(str(tokens), str(out), params, str(shared_run))
+    assert not out.exists() and not list(tmp_path.glob(".h.safetensors*"))  # no partial output
+    set_fault(shared_run, None)
+
+
+def test_a_file_outside_the_connector_folder_is_neither_read_nor_deleted(shared_run, tmp_path):
+    set_fault(shared_run, "outside_path")
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(3,))
+    with pytest.raises(UserError, match="outside"):
+        extract_shard_vllm(str(tokens), str(out), make_params(shared_run, retries=0), str(shared_run))
+    storage = VllmServer(shared_run, make_params(shared_run)).storage_path
+    deadline = time.monotonic() + 5  # the fake writes it just after answering
+    while not list(storage.parent.glob("cmpl-*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert list(storage.parent.glob("cmpl-*.safetensors"))  # left alone
+    set_fault(shared_run, None)
+
+
+def test_a_hanging_request_times_out(shared_run, tmp_path):
+    set_fault(shared_run, "hang", 1)
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(3,))
+    with pytest.raises(UserError, match="timed out"):
+        extract_shard_vllm(
+            str(tokens), str(out), make_params(shared_run, retries=0, request_timeout_s=1), str(shared_run)
+        )
+
+
+def test_a_rejected_prompt_is_not_retried_and_names_max_model_len(run_dir, tmp_path):
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(3, 40))
+    with pytest.raises(UserError, match="sample 1 .*max_model_len"):
+        extract_shard_vllm(str(tokens), str(out), make_params(run_dir, max_model_len=32), str(run_dir))
+
+
+# ---------------------------------------------------------------- lifecycle
+CLIENT = textwrap.dedent(
+    """
+    import json, sys
+    from eagle3build.vllm_backend import extract_shard_vllm
+    extract_shard_vllm(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4])
+    """
+)
+
+
+def test_concurrent_jobs_share_one_server_and_stop_kills_its_group(run_dir, tmp_path):
+    params = make_params(run_dir, env={"FAKE_VLLM_STARTUP": "delay:1"})  # both jobs arrive during startup
+    procs = []
+    for k in range(2):
+        make_token_shard(tmp_path / f"t{k}.safetensors", seed=k)
+        argv = [str(tmp_path / f"t{k}.safetensors"), str(tmp_path / f"h{k}.safetensors"), json.dumps(params)]
+        procs.append(subprocess.Popen([sys.executable, "-c", CLIENT, *argv, str(run_dir)], cwd=REPO))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    for k in range(2):
+        src, got = read_tokens(tmp_path / f"t{k}.safetensors"), read_hidden(tmp_path / f"h{k}.safetensors")
+        want = expected_hidden(src.sample(1)[0])
+        assert torch.equal(got.sample(1)[2], want)
+
+    state = _server_state(run_dir)
+    log = Path(state.log).read_text()
+    assert log.count("fake vllm serve: starting") == 1  # the second job reused the first one's server
+    assert _alive(state.pid)  # the server outlives the jobs: the Snakefile hooks stop it
+    worker = _worker_pid(Path(state.log))
+    assert stop_servers(run_dir) is True
+    assert _wait_dead(state.pid) and _wait_dead(worker)  # SIGTERM reached the whole process group
+    assert _server_state(run_dir) is None and stop_servers(run_dir) is False
+
+
+def test_a_server_with_another_identity_is_not_reused(run_dir):
+    first = VllmServer(run_dir, make_params(run_dir))
+    other_params = make_params(run_dir)
+    other_params["layer_ids"] = [1, 3, 5, 8]
+    other = VllmServer(run_dir, other_params)
+    with first.lease():
+        old = first.read_state()
+        with pytest.raises(UserError, match="serves another extraction.*still using it"):
+            with other.lease():
+                pass
+    with other.lease():  # nobody uses the first one any more: it is replaced
+        new = other.read_state()
+    assert new.pid != old.pid and new.identity["layer_ids"] == [1, 3, 5, 8]
+    assert _wait_dead(old.pid)
+    with VllmServer(run_dir, other_params).lease():  # same identity: reused
+        assert other.read_state().pid == new.pid
+
+
+def test_sigkill_when_sigterm_is_ignored(run_dir, monkeypatch):
+    server = VllmServer(run_dir, make_params(run_dir, env={"FAKE_VLLM_IGNORE_SIGTERM": "1"}))
+    with server.lease():
+        pid = server.read_state().pid
+    real = vllm_backend._terminate_group
+    monkeypatch.setattr(vllm_backend, "_terminate_group", lambda p, t, grace_s=30.0: real(p, t, grace_s=0.5))
+    assert stop_servers(run_dir) and _wait_dead(pid)
+
+
+def test_startup_crash_reports_the_log_tail(run_dir):
+    server = VllmServer(run_dir, make_params(run_dir, env={"FAKE_VLLM_STARTUP": "crash"}))
+    with pytest.raises(UserError, match=r"(?s)exited with status 1.*vllm-server\.log.*CUDA out of memory"):
+        with server.lease():
+            pass
+    assert server.read_state() is None
+
+
+def test_startup_timeout_kills_the_server(run_dir):
+    server = VllmServer(
+        run_dir, make_params(run_dir, startup_timeout_s=1, env={"FAKE_VLLM_STARTUP": "delay:60"})
+    )
+    with pytest.raises(UserError, match="startup_timeout_s=1"):
+        with server.lease():
+            pass
+    started = [ln for ln in server.log_path.read_text().splitlines() if "fake vllm serve: starting" in ln]
+    assert _wait_dead(int(started[-1].split()[5]))
+
+
+def test_missing_executable_names_the_key(run_dir):
+    server = VllmServer(run_dir, make_params(run_dir, executable=["/nonexistent/vllm"]))
+    with pytest.raises(ConfigError, match="extract.vllm.executable"):
+        with server.lease():
+            pass
+
+
+def test_idle_watchdog_stops_an_unused_server(run_dir):
+    server = VllmServer(run_dir, make_params(run_dir, idle_timeout_s=1))
+    with server.lease():
+        state = server.read_state()
+        time.sleep(2)  # in use: the watchdog must leave it running
+        assert _alive(state.pid)
+    assert _wait_dead(state.pid, timeout=15)
+    assert _wait_dead(state.watchdog_pid)  # it exits right after removing the state
+    assert server.read_state() is None
+    assert os.path.exists(server.log_path)
