@@ -76,7 +76,11 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def resolve_aux_layer_ids(target: dict, configured: list[int] | None) -> list[int]:
-    n = int(target_text_config(target)["num_hidden_layers"])
+    return check_aux_layer_ids(configured, int(target_text_config(target)["num_hidden_layers"]))
+
+
+def check_aux_layer_ids(configured: list[int] | None, n: int) -> list[int]:
+    """Three ids low to high in [0, N); repeats are allowed (tiny targets, single-stream ablations)."""
     ids = list(configured) if configured else default_aux_layer_ids(n)
     if len(ids) != 3 or sorted(ids) != ids or not all(0 <= i < n for i in ids):
         raise ConfigError("extract.aux_layer_ids", f"{ids} must be three layer ids, low to high, in [0, {n - 1}] "

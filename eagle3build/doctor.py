@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from .config import check_aux_layer_ids, default_aux_layer_ids
+from .errors import ConfigError, UserError
 from .shards import hidden_bytes_per_token, read_meta
 from .vllm_backend import DEFAULTS as VLLM_DEFAULTS
 
@@ -266,7 +267,7 @@ def _aux_layer_ids(ctx: _Context) -> list[int] | None:
     if ctx.target_config is None:
         return None
     n = int(ctx.target_config["num_hidden_layers"])
-    return ctx.extract.get("aux_layer_ids") or [2, n // 2, n - 3]
+    return ctx.extract.get("aux_layer_ids") or default_aux_layer_ids(n)
 
 
 def check_layers(ctx: _Context) -> Check:
@@ -274,17 +275,10 @@ def check_layers(ctx: _Context) -> Check:
     if ctx.target_config is None:
         return Check(name, "skip", "no target config")
     n = int(ctx.target_config["num_hidden_layers"])
-    ids = _aux_layer_ids(ctx)
-    default = [2, n // 2, n - 3]
-    ok = len(ids) == 3 and all(isinstance(i, int) and 0 <= i < n for i in ids) and ids == sorted(set(ids))
-    if not ok:
-        return Check(
-            name,
-            "fail",
-            f"extract.aux_layer_ids {ids} must be three distinct ids, low to high, in "
-            f"[0, {n - 1}] for this {n}-layer target",
-            f"set extract.aux_layer_ids: null (default {default}) or fix the ids",
-        )
+    try:  # the workflow's own rule, so the preflight and the DAG can never disagree
+        ids = check_aux_layer_ids(ctx.extract.get("aux_layer_ids"), n)
+    except ConfigError as e:
+        return Check(name, "fail", str(e), f"set extract.aux_layer_ids: null (default {default_aux_layer_ids(n)})")
     return Check(name, "ok", f"aux {ids} + final {n} (layer ids stored: {[*ids, n]})")
 
 

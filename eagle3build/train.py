@@ -610,7 +610,8 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        step_tokens = d.all_sum(torch.tensor(float(sum(b.num_tokens for b in batches)), device=device))
+        real_tokens = sum(lengths[i] for b in my_micro for i in b)  # padding (compiled runs) not counted
+        step_tokens = d.all_sum(torch.tensor(float(real_tokens), device=device))
         tokens_seen += int(step_tokens)
         window_tokens += int(step_tokens)
         bar.update(1)

@@ -182,7 +182,7 @@ def sdpa_attention(q, keys, values, doc, step, scale):
     )
 
 
-def merge_diagonal(q, causal_out, causal_lse, keys, values, scale):
+def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool = False):
     """Fold the diagonal keys of steps 1..s into a causal attention result, exactly.
 
     softmax over [causal keys] ∪ [diagonals] = a convex combination of the causal output (weight
@@ -191,22 +191,41 @@ def merge_diagonal(q, causal_out, causal_lse, keys, values, scale):
     (s+1)·N keys. Gradients reach q and the causal keys through `causal_lse`.
 
     q, causal_out [1, nh, N, hd]; causal_lse [1, nh, N] (natural log, scale applied);
-    keys/values: s tensors [1, nkv, N, hd].
+    keys/values: s tensors [1, nkv, N, hd]. compile: one fused kernel (the number of diagonals is
+    a dynamic dimension, so all steps share a compilation).
     """
     if not keys:
         return causal_out
-    b, nh, n, hd = q.shape
-    nkv = keys[0].shape[1]
-    qg = q.view(b, nkv, nh // nkv, n, hd)  # query heads grouped by their kv head
     diag_k = torch.stack(keys, dim=-2)  # [1, nkv, N, s, hd]
     diag_v = torch.stack(values, dim=-2)
-    diag_scores = torch.einsum("bkgnd,bknsd->bkgns", qg, diag_k).float() * scale
+    if compile and len(keys) > 1:  # s = 1 is specialised (size-1 dims always are)
+        torch._dynamo.mark_dynamic(diag_k, 3)
+        torch._dynamo.mark_dynamic(diag_v, 3)
+    merge = _merge_compiled() if compile else _merge
+    return merge(q, causal_out, causal_lse, diag_k, diag_v, scale)
+
+
+def _merge(q, causal_out, causal_lse, diag_k, diag_v, scale):
+    b, nh, n, hd = q.shape
+    nkv = diag_k.shape[1]
+    qg = q.view(b, nkv, nh // nkv, n, 1, hd)  # query heads grouped by their kv head
+    diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
     lse = causal_lse.view(b, nkv, nh // nkv, n, 1).float()
     weights = torch.softmax(torch.cat((lse, diag_scores), dim=-1), dim=-1)  # [1, nkv, g, N, 1+s]
-    out = weights[..., :1] * causal_out.view(qg.shape).float() + torch.einsum(
-        "bkgns,bknsd->bkgnd", weights[..., 1:], diag_v.float()
-    )
+    out = weights[..., :1] * causal_out.view(b, nkv, nh // nkv, n, hd).float() + (
+        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
+    ).sum(-2)
     return out.to(q.dtype).view(b, nh, n, hd)
+
+
+_MERGE_COMPILED = None
+
+
+def _merge_compiled():
+    global _MERGE_COMPILED
+    if _MERGE_COMPILED is None:
+        _MERGE_COMPILED = torch.compile(_merge)  # dynamic in the marked dims only
+    return _MERGE_COMPILED
 
 
 class MergedAttention:
@@ -219,13 +238,18 @@ class MergedAttention:
     def causal(self, q, k, v, doc, scale):
         raise NotImplementedError
 
+    compile = False
+
     def __call__(self, q, keys, values, doc, step, scale):
         out, lse = self.causal(q, keys[0], values[0], doc, scale)
-        return merge_diagonal(q, out, lse, keys[1:], values[1:], scale)
+        return merge_diagonal(q, out, lse, keys[1:], values[1:], scale, self.compile)
 
 
 class MathMergedAttention(MergedAttention):
     """Dense causal part with explicit softmax: the CPU check of the merge (flex has no CPU backward)."""
+
+    def __init__(self, compile: bool = False):
+        self.compile = compile
 
     def causal(self, q, k, v, doc, scale):
         groups = q.shape[1] // k.shape[1]

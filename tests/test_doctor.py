@@ -202,12 +202,19 @@ def test_draft_vocab_must_be_smaller_than_the_target_vocab(tmp_path, draft, frag
     assert "vocab.draft_vocab_size" in msg and fragment in msg
 
 
-@pytest.mark.parametrize("ids", [[2, 16, 32], [16, 2, 29], [2, 2, 29], [-1, 16, 29]])
+@pytest.mark.parametrize("ids", [[2, 16, 32], [16, 2, 29], [-1, 16, 29], [2, 16]])
 def test_layer_ids_out_of_range_name_the_key(tmp_path, ids):
     ctx = doctor._Context(make_config(tmp_path, "unused", extract={"aux_layer_ids": ids}))
     ctx.target_config = LLAMA31_8B
     check = doctor.check_layers(ctx)
     assert check.status == "fail" and "extract.aux_layer_ids" in check.detail and "[0, 31]" in check.detail
+
+
+def test_repeated_layer_ids_are_allowed(tmp_path):
+    """A tiny target's default (2, 2, 2) and single-stream ablations repeat a layer; order still matters."""
+    ctx = doctor._Context(make_config(tmp_path, "unused", extract={"aux_layer_ids": [29, 29, 29]}))
+    ctx.target_config = LLAMA31_8B
+    assert doctor.check_layers(ctx).status == "ok"
 
 
 def test_max_model_len_must_hold_a_sample(tmp_path):
