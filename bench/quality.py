@@ -50,7 +50,7 @@ def log(msg: str) -> None:
 
 
 def train_files(data_dir: Path) -> dict[str, Path]:
-    files = {k: data_dir / v for k, v in TRAIN_FILES.items()}
+    files = {k: data_dir / v for k, v in TRAIN_FILES.items() if (data_dir / v).exists()}
     for p in sorted((data_dir / "alpaca_eval").glob("*.json")):
         files[f"alpaca_eval_{p.stem}"] = p
     return files
@@ -157,7 +157,8 @@ def phase_train(args, work: Path) -> dict:
 
     out = {}
     params = {"lr": args.lr, "epochs": args.epochs, "batch_tokens": args.train_batch_tokens, "ttt_steps": 7,
-              "checkpoint_every": 100000, "log_every": 50, "val_fraction": 0.02, "seed": 0}
+              "checkpoint_every": 100000, "log_every": 50, "val_fraction": 0.02, "seed": 0,
+              "compile": args.compile}
     for recipe in args.recipes:
         variant, layers = RECIPES[recipe]
         hidden = sorted(str(p) for p in (work / f"hidden-{variant}-{layers}").rglob("*.safetensors"))
@@ -320,6 +321,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--train-batch-tokens", type=int, default=16384)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    p.add_argument("--compile", action="store_true", help="torch.compile the training step (pays off on long runs)")
     p.add_argument("--crosscheck", type=int, default=4)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)

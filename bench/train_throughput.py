@@ -204,11 +204,12 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         draft, scorer, batch = build(shape, T, device)
+        compile_rest = variant == "compiled"
         if cuda:
             attention = make_attention("flex", compile=True)
-        else:
-            attention = MathMergedAttention()  # flex has no CPU backward; the same merge, dense causal part
-        compile_rest = variant == "compiled"
+            attention.compile = compile_rest  # flex is always compiled; the LSE merge only in "compiled"
+        else:  # flex has no CPU backward: the same merge with a dense causal part
+            attention = MathMergedAttention(compile=compile_rest)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
         weights = step_weights(args.ttt, 0.8, device)
         if args.check:
@@ -322,6 +323,8 @@ def main() -> int:
             if not r["ok"]:
                 print(r.get("traceback", ""), file=sys.stderr, flush=True)
             report["results"].append(r)
+            if args.out:  # after every config, so a run cut short still leaves its results
+                Path(args.out).write_text(json.dumps(report, indent=1))
             torch._dynamo.reset()
             if r["ok"]:
                 break

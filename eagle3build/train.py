@@ -83,7 +83,15 @@ DEFAULTS = {
     "norm_before_residual": False,
     "hidden_size": None,
 }
-COMPILE_LENGTH_MULTIPLE = 1024  # compiled runs pad packed batches to a multiple of this
+COMPILE_LENGTH_BUCKETS = 8  # compiled runs pad packed batches to one of this many lengths (dynamo's
+# recompile limit is 8 per function), each a multiple of 1024 tokens at least
+
+
+def compile_length_multiple(batch_tokens: int) -> int:
+    per_bucket = -(-batch_tokens // COMPILE_LENGTH_BUCKETS)
+    return max(1024, -(-per_bucket // 128) * 128)  # flex works in blocks of 128
+
+
 MIN_SAMPLE_TOKENS = 3  # x[t+1] input and x[t+2] prediction need at least 3 tokens
 
 
@@ -556,7 +564,7 @@ def train(
                 greedy_cache[i] = part
         batch.greedy_in_draft = torch.cat([greedy_cache[i] for i in sample_ids]).to(device)
         # compiled kernels are specialised to the length: bucket it so a run compiles a few shapes
-        return pad_batch(batch, COMPILE_LENGTH_MULTIPLE) if compile_flex else batch
+        return pad_batch(batch, compile_length_multiple(p["batch_tokens"])) if compile_flex else batch
 
     def evaluate() -> dict | None:
         if not val_idx:

@@ -12,8 +12,9 @@ Alignment (packed batch, position p of a sample of length L; `j = p + 1 + s` at 
 Attention at step s: a query at p sees the step-0 keys at positions <= p of its own sample (causal,
 never across packed samples) and the keys of steps 1..s at p itself (the "diagonal"), in one softmax.
 
-Three attention implementations share everything else: `flex` (block-sparse flex attention; compiled on
-GPU), `sdpa` (dense boolean mask, fused kernels) and `reference` (dense mask, explicit softmax).
+Three attention implementations share everything else: `flex` (block-sparse flex attention over the
+step-0 keys + an exact log-sum-exp merge of the diagonal keys; compiled on GPU), `sdpa` (dense boolean
+mask over the concatenated keys, fused kernels) and `reference` (dense mask, explicit softmax).
 tests/test_model_ttt.py checks them against a loop-by-loop implementation.
 """
 
