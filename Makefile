@@ -60,7 +60,7 @@ lint: ## snakemake --lint, snakefmt, ruff, hadolint
 	$(SMK) --lint
 	$(PYTHON) -m snakefmt --check Snakefile rules/
 	$(PYTHON) -m ruff check .
-	-$(MAKE) --no-print-directory lint-docker
+	$(MAKE) --no-print-directory lint-docker
 
 clean: ## remove training/export/evaluation outputs and logs; keeps hidden states, tokens and data
 	rm -rf $(OUT_ROOT)/train $(OUT_ROOT)/export $(OUT_ROOT)/eval $(OUT_ROOT)/logs report.html dag.dot dag.svg

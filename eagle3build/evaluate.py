@@ -26,7 +26,6 @@ in a last round cut by max_new_tokens or an end-of-sequence token (vLLM counts t
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from . import FORMAT_VERSIONS
 from .acceptance import acceptance_for_sequence
 from .atomic import atomic_path, write_json_atomic
 from .errors import ConfigError, UserError
+from .formats import iter_jsonl
 from .regenerate import eos_token_ids, load_target_model, load_target_tokenizer, resolve_device, target_path
 
 DEFAULTS = {
@@ -199,23 +199,14 @@ def speculative_generate(
 def read_questions(path: str, max_samples: int | None = None) -> list[dict]:
     """Question file lines {question_id, category, turns: [str, ...]}."""
     questions = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UserError(f"cannot read the eval set '{path}': {e}; fix evaluate.sets[].path") from e
-    for line_no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{line_no}: not valid JSON ({e})") from e
-        turns = q.get("turns") if isinstance(q, dict) else None
+    for record in iter_jsonl(path):
+        q, turns = record.data, record.data.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise UserError(
-                f"{path}:{line_no}: expected a question {{question_id, category, turns: [str, ...]}} "
+                f"{record.where}: expected a question {{question_id, category, turns: [str, ...]}} "
                 "with at least one turn"
             )
+        line_no = int(record.where.rsplit(" ", 1)[-1])
         questions.append(
             {"id": q.get("question_id", line_no), "category": str(q.get("category", "all")), "turns": turns}
         )

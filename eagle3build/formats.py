@@ -113,7 +113,9 @@ def _decode_line(raw: bytes, path: Path, line_no: int, line_start: int) -> str:
         ) from e
 
 
-def _iter_jsonl(path: Path) -> Iterator[Record]:
+def iter_jsonl(path: str | Path) -> Iterator[Record]:
+    """JSON objects of a JSONL(.gz) file, streamed; errors name the file, line (and byte for bad UTF-8)."""
+    path = Path(path)
     offset = 0
     with _open_binary(path) as f:
         for line_no, raw in enumerate(f, start=1):
@@ -188,7 +190,7 @@ def iter_raw_records(source: str, split: str | None = None) -> Iterator[Record]:
             yield Record(dict(row), f"{source} row {i}")
         return
     path = Path(source)
-    yield from (_iter_json_list(path) if _is_json_list(path) else _iter_jsonl(path))
+    yield from (_iter_json_list(path) if _is_json_list(path) else iter_jsonl(path))
 
 
 def count_records(source: str, fmt: str = "auto", split: str | None = None) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .atomic import atomic_path, write_json_atomic
 from .errors import UserError
-from .formats import SkipRecord, iter_conversations
+from .formats import SkipRecord, iter_conversations, iter_jsonl
 
 DEFAULTS = {
     "format": "auto",  # datasets[i].format: auto | sharegpt | openai | alpaca | hh | questions
@@ -111,17 +111,7 @@ def plan_shards(count: int, shard_size: int, max_samples: int | None) -> int:
 
 # ---------------------------------------------------------------- tokens
 def _read_conversations(path: str) -> list[dict]:
-    conversations = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    conversations.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise UserError(
-                        f"{path} line {line_no}: malformed JSON ({e.msg}); delete the file to rebuild it"
-                    ) from e
-    return conversations
+    return [record.data for record in iter_jsonl(path)]
 
 
 def tokenize_shard(

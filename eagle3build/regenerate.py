@@ -30,6 +30,7 @@ from pathlib import Path
 from . import FORMAT_VERSIONS
 from .atomic import atomic_path, write_json_atomic
 from .errors import ConfigError, UserError
+from .formats import iter_jsonl
 
 DEFAULTS = {
     "backend": "hf",  # hf | openai
@@ -364,20 +365,13 @@ class PartialFile:
 
 def read_conversations(path: str) -> list[dict]:
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{line_no}: not valid JSON ({e}); rerun the split stage") from e
-            if not isinstance(sample, dict) or not isinstance(sample.get("messages"), list):
-                raise UserError(
-                    f"{path}:{line_no}: expected an object with a 'messages' list "
-                    "(docs/DESIGN.md, normalized conversation)"
-                )
-            samples.append(sample)
+    for record in iter_jsonl(path):
+        if not isinstance(record.data.get("messages"), list):
+            raise UserError(
+                f"{record.where}: expected an object with a 'messages' list "
+                "(docs/DESIGN.md, normalized conversation)"
+            )
+        samples.append(record.data)
     return samples
 
 

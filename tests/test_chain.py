@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from eagle3build.extract import stop_servers
+from conftest import STORIES
 from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
 
-from conftest import STORIES
+from eagle3build.extract import stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +68,11 @@ def test_regenerated_answers_come_from_the_target(chain):
 
 
 def test_trained_head_beats_an_untrained_one_on_held_back_prompts(chain, tmp_path):
+    from eagle3build.atomic import save_safetensors_atomic
     from eagle3build.evaluate import evaluate
     from eagle3build.export import export, load_exported
     from eagle3build.model import DraftConfig, Eagle3Draft
     from eagle3build.target import load_target_head
-    from eagle3build.atomic import save_safetensors_atomic
 
     trained = json.loads((chain / "build" / "eval" / "heldout.json").read_text())
     heldout = trained["sets"]["heldout"]

@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import STORIES
+from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
 
 from eagle3build.config import load_config, resolve_aux_layer_ids
 from eagle3build.errors import ConfigError, UserError
-from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
-
-from conftest import STORIES
 
 TEMPLATE = str(Path(__file__).parent / "data" / "chat_template.jinja")
 

@@ -12,7 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3build.errors import UserError
-from eagle3build.extract import Extractor, check_disk, device_slot, extract_shard, length_batches, stop_servers
+from eagle3build.extract import (
+    Extractor,
+    check_disk,
+    device_slot,
+    extract_shard,
+    length_batches,
+    stop_servers,
+)
 from eagle3build.shards import read_hidden, read_meta, write_tokens
 
 

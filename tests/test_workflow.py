@@ -6,7 +6,6 @@ workflow's code) and asserts what `snakemake -n` would rebuild.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import signal
@@ -16,12 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SHARED, STORIES
+from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
 
 from eagle3build.extract import stop_servers
 from eagle3build.shards import read_hidden
-from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
-
-from conftest import SHARED, STORIES
 
 pytestmark = pytest.mark.slow
 
