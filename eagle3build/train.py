@@ -72,6 +72,7 @@ DEFAULTS = {
     "log_every": 10,
     "attention": "auto",  # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference
     "compile": "auto",  # auto (on GPU) | true | false: torch.compile the TTT step (flex, layer, loss)
+    "fsdp": False,  # multi-process runs: shard weights, gradients and AdamW moments (FSDP2) instead of DDP
     "init_lm_head_from_target": True,
     # draft shape (None: the target's)
     "num_attention_heads": None,
@@ -309,14 +310,16 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(path: Path, step: int, model: Eagle3Draft, optimizer, scheduler, extra: dict) -> None:
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors = {f"model.{n}": t.float() for n, t in model.trainable_state_dict().items()}
-    opt_state = optimizer.state_dict()
-    param_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    for idx, state in opt_state["state"].items():
+def save_checkpoint(
+    path: Path, step: int, model: Eagle3Draft, optimizer, scheduler, extra: dict, full_state=None
+) -> None:
+    """Write a checkpoint. `full_state` (FSDP2): the (model tensors, optimiser state) pair that
+    `fsdp_full_state` gathered on rank 0; without it the state is read from `model` and `optimizer`."""
+    model_tensors, opt_state = full_state or local_full_state(model, optimizer)
+    tensors = {f"model.{n}": t.float() for n, t in model_tensors.items()}
+    for name, state in opt_state["state"].items():
         for key, value in state.items():
-            tensors[f"optim.{param_names[idx]}.{key}"] = value.detach().cpu()
+            tensors[f"optim.{name}.{key}"] = value.detach().cpu()
     tensors.update(_rng_tensors())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt_state["param_groups"]]
     sched = scheduler.state_dict()  # lr_lambdas are plain functions: stored as nulls, rebuilt by train()
@@ -324,7 +327,51 @@ def save_checkpoint(path: Path, step: int, model: Eagle3Draft, optimizer, schedu
     save_safetensors_atomic(path, {k: v.contiguous() for k, v in tensors.items()}, meta)
 
 
-def load_checkpoint(path: Path, model: Eagle3Draft, optimizer, scheduler, expected_hash: str) -> dict:
+def local_full_state(model: Eagle3Draft, optimizer) -> tuple[dict, dict]:
+    """Trainable weights and the optimiser state keyed by parameter name (single process or DDP)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt_state = optimizer.state_dict()
+    param_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {param_names[idx]: value for idx, value in opt_state["state"].items()}
+    return model.trainable_state_dict(), {"state": state, "param_groups": opt_state["param_groups"]}
+
+
+FSDP_PREFIX = "draft."  # FSDP2 shards the TTTModule: its parameter names are the draft's behind this
+
+
+def _fsdp_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def fsdp_full_state(module: nn.Module, optimizer, with_optimizer: bool = True) -> tuple[dict, dict]:
+    """Gather the full trainable weights (and optimiser state) of an FSDP2-sharded TTTModule.
+
+    Collective: every rank must call it. Rank 0 gets CPU tensors keyed like `local_full_state`;
+    the other ranks get empty dicts.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    full = get_model_state_dict(module, options=_fsdp_options(cpu_offload=True))
+    tensors = {n.removeprefix(FSDP_PREFIX): t for n, t in full.items() if n in trainable}
+    opt_state = {"state": {}, "param_groups": []}
+    if with_optimizer:
+        osd = get_optimizer_state_dict(module, optimizer, options=_fsdp_options(cpu_offload=True))
+        if osd:
+            opt_state = {
+                "state": {n.removeprefix(FSDP_PREFIX): v for n, v in osd["state"].items()},
+                "param_groups": osd["param_groups"],
+            }
+    return tensors, opt_state
+
+
+def load_checkpoint(
+    path: Path, model: Eagle3Draft, optimizer, scheduler, expected_hash: str, fsdp_module=None
+) -> dict:
+    """Restore a checkpoint into `model` and `optimizer`; with `fsdp_module` (the FSDP2-sharded
+    TTTModule around `model`; collective, every rank reads the file) each rank keeps its shards."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = {k: _json_or_str(v) for k, v in f.metadata().items()}
@@ -346,26 +393,41 @@ def load_checkpoint(path: Path, model: Eagle3Draft, optimizer, scheduler, expect
                 f"{path}: tensor model.{name} is missing or has shape "
                 f"{None if stored is None else tuple(stored.shape)} != {tuple(value.shape)}; delete it"
             )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in trainable:
-                p.copy_(tensors[f"model.{name}"])
     names = {id(p): n for n, p in model.named_parameters()}
     param_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = {}
-    for idx, name in enumerate(param_names):
+    for name in param_names:
         entry = {
             k.rsplit(".", 1)[1]: v
             for k, v in tensors.items()
             if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2
         }
         if entry:
-            state[idx] = entry
-    groups, start = [], 0
-    for group, saved in zip(optimizer.param_groups, meta["optimizer_groups"], strict=True):
-        groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+            state[name] = entry
+    if fsdp_module is not None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        # every rank holds the full tensors: each keeps its own shards (no broadcast)
+        full = {FSDP_PREFIX + n: tensors[f"model.{n}"] for n in trainable}
+        set_model_state_dict(fsdp_module, full, options=_fsdp_options(strict=False))
+        groups, start = [], 0
+        for group, saved in zip(optimizer.param_groups, meta["optimizer_groups"], strict=True):
+            group_names = param_names[start : start + len(group["params"])]
+            groups.append({**saved, "params": [FSDP_PREFIX + n for n in group_names]})
+            start += len(group["params"])
+        osd = {"state": {FSDP_PREFIX + n: v for n, v in state.items()}, "param_groups": groups}
+        set_optimizer_state_dict(fsdp_module, optimizer, osd, options=_fsdp_options())
+    else:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in trainable:
+                    p.copy_(tensors[f"model.{name}"])
+        index = {name: i for i, name in enumerate(param_names)}
+        groups, start = [], 0
+        for group, saved in zip(optimizer.param_groups, meta["optimizer_groups"], strict=True):
+            groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        optimizer.load_state_dict({"state": {index[n]: v for n, v in state.items()}, "param_groups": groups})
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(tensors["rng.cpu"])
     if torch.cuda.is_available():
@@ -418,16 +480,47 @@ def init_distributed() -> Dist:
 
 
 class TTTModule(nn.Module):
-    """The draft under TTT as one forward(), so DistributedDataParallel can wrap it."""
+    """The draft under TTT as one forward(), so DistributedDataParallel can wrap it, and so FSDP2
+    (sharding this module as its root) gathers the draft's weights in its pre-forward hook: ttt_forward
+    calls the draft's methods (fused_weights, qkv, finish, logits), never draft.forward."""
 
     def __init__(self, draft: Eagle3Draft, steps: int, attention, compile: bool = False):
         super().__init__()
         self.draft, self.steps, self.attention, self.compile = draft, steps, attention, compile
 
     def forward(self, batch: PackedBatch, target_probs: torch.Tensor, valid: torch.Tensor) -> TTTStats:
+        _check_unsharded(self.draft)
         return ttt_forward(
             self.draft, batch, target_probs, self.steps, self.attention, valid, compile=self.compile
         )
+
+
+def _check_unsharded(draft: Eagle3Draft) -> None:
+    """Refuse to compute with FSDP2 shards: the weights must be whole (unsharded) inside a step."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(draft.fc.weight, DTensor):
+        raise RuntimeError(
+            "the draft's weights are FSDP2 shards here; call the FSDP-wrapped TTTModule "
+            "(its forward gathers them) or unshard() it first"
+        )
+
+
+def shard_fsdp2(module: TTTModule, device: torch.device) -> TTTModule:
+    """FSDP2 (per-parameter DTensor sharding over all ranks) with the TTTModule as the one root group.
+
+    The root's forward hook all-gathers the trainable weights; they stay whole through backward (FSDP2
+    does not reshard the root after forward), then gradients are reduce-scattered (averaged over ranks,
+    like DDP) and AdamW updates its shard only. Frozen tensors (the target's embedding) are left
+    replicated: sharding them would all-gather them every micro-batch for no optimiser saving.
+    Parameters are replaced by DTensors: build the optimiser afterwards.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    frozen = {q for q in module.parameters() if not q.requires_grad}
+    return fully_shard(module, mesh=mesh, ignored_params=frozen or None)
 
 
 # ============================================================================================ training
@@ -503,7 +596,10 @@ def train(
     plan = plan_steps(train_idx, lengths, p, micro_per_step)
     total_steps = len(plan)
 
-    run_hash = params_hash(p, hidden_paths, mapping_path, target.config, micro_per_step, target_revision)
+    fsdp = bool(p["fsdp"]) and d.world_size > 1
+    # fsdp off (or one process) hashes as before it existed: older runs still resume
+    hashed = p if fsdp else {k: v for k, v in p.items() if k != "fsdp"}
+    run_hash = params_hash(hashed, hidden_paths, mapping_path, target.config, micro_per_step, target_revision)
     run_dir = Path(state_dir) / run_hash
     out = Path(out_dir)
 
@@ -514,6 +610,10 @@ def train(
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype)
     del target
+    attention = make_attention(attention_impl, compile_flex)
+    module = TTTModule(draft, p["ttt_steps"], attention, compile_flex)
+    if fsdp:
+        module = shard_fsdp2(module, device)
     decay = [q for q in draft.parameters() if q.requires_grad and q.dim() >= 2]
     no_decay = [q for q in draft.parameters() if q.requires_grad and q.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -525,16 +625,14 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(total_steps, p["warmup_ratio"], p["min_lr_ratio"])
     )
-    attention = make_attention(attention_impl, compile_flex)
-    module = TTTModule(draft, p["ttt_steps"], attention, compile_flex)
-    if d.world_size > 1:
+    if d.world_size > 1 and not fsdp:
         module = nn.parallel.DistributedDataParallel(module, device_ids=[d.local_rank] if cuda else None)
 
     # ---- resume
     start_step, best = 0, {"score": None, "step": None, "val": None}
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        meta = load_checkpoint(ckpt, draft, optimizer, scheduler, run_hash)
+        meta = load_checkpoint(ckpt, draft, optimizer, scheduler, run_hash, module if fsdp else None)
         start_step, best = int(meta["step"]), meta["best"]
         _log(f"resuming {run_dir} at step {start_step}/{total_steps}", d)
     else:
@@ -570,6 +668,8 @@ def train(
         if not val_idx:
             return None
         draft.eval()
+        if fsdp:
+            module.unshard()  # ttt_forward below bypasses the FSDP2 hooks: gather the weights for it
         sums = torch.zeros(3, p["ttt_steps"], device=device)
         val_batches = pack_greedily(val_idx, lengths, p["batch_tokens"])
         with torch.no_grad(), autocast:
@@ -584,6 +684,8 @@ def train(
                     compile=compile_flex,
                 )
                 sums += torch.stack([stats.loss_sum.float(), stats.correct, stats.count])
+        if fsdp:
+            module.reshard()
         draft.train()
         d.all_sum(sums)
         return summarize(sums[0], sums[1], sums[2], weights)
@@ -605,15 +707,19 @@ def train(
         sums = torch.zeros(3, p["ttt_steps"], device=device)
         for i, (batch, valid) in enumerate(zip(batches, valids, strict=True)):
             sync = i == len(batches) - 1 or d.world_size == 1
-            with nullcontext() if sync else module.no_sync(), autocast:
+            if fsdp:  # FSDP2's no_sync: keep unsharded gradients, reduce-scatter after the last one
+                module.set_requires_gradient_sync(sync)
+            with nullcontext() if sync or fsdp else module.no_sync(), autocast:
                 stats = module(batch, scorer.draft_probs(batch.final), valid)
-                # DDP averages gradients over ranks; the loss is already normalised globally
+                # DDP and FSDP average gradients over ranks; the loss is already normalised globally
                 loss = weighted_loss(stats, total_count, weights) * d.world_size
             loss.backward()
             sums += torch.stack([stats.loss_sum.detach().float(), stats.correct, stats.count])
         grad_norm = (
             torch.nn.utils.clip_grad_norm_(draft.parameters(), p["grad_clip"]) if p["grad_clip"] else None
         )
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -652,13 +758,17 @@ def train(
             )  # no val split: the last step
             if best["score"] is None or score > best["score"]:
                 best = {"score": score, "step": done, "val": val}
+                # FSDP2: every rank takes part in gathering the weights, rank 0 writes them
+                full = fsdp_full_state(module, optimizer, with_optimizer=False)[0] if fsdp else None
                 if d.main:
                     save_safetensors_atomic(
                         run_dir / "best.safetensors",
-                        _export_tensors(draft),
+                        _export_tensors(draft, full),
                         {"draft_config": config.to_dict(), "step": done, "val": val},
                     )
-        if (done % p["checkpoint_every"] == 0 or done == total_steps) and d.main:
+        checkpoint = done % p["checkpoint_every"] == 0 or done == total_steps
+        full_state = fsdp_full_state(module, optimizer) if checkpoint and fsdp else None  # collective
+        if checkpoint and d.main:
             save_checkpoint(
                 run_dir / f"ckpt-{done:08d}.safetensors",
                 done,
@@ -666,6 +776,7 @@ def train(
                 optimizer,
                 scheduler,
                 {"params_hash": run_hash, "best": best},
+                full_state,
             )
             for old in sorted(run_dir.glob("ckpt-*.safetensors"))[: -p["keep_checkpoints"]]:
                 old.unlink()
@@ -699,9 +810,10 @@ def train(
     return summary
 
 
-def _export_tensors(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
-    """Trainable weights plus d2t/t2d under the EAGLE-3 checkpoint names, fp32."""
-    tensors = {n: t.float().cpu() for n, t in draft.trainable_state_dict().items()}
+def _export_tensors(draft: Eagle3Draft, trainable: dict | None = None) -> dict[str, torch.Tensor]:
+    """Trainable weights (`trainable`: gathered ones, FSDP2) plus d2t/t2d under the EAGLE-3 names, fp32."""
+    trainable = draft.trainable_state_dict() if trainable is None else trainable
+    tensors = {n: t.float().cpu() for n, t in trainable.items()}
     tensors["d2t"], tensors["t2d"] = draft.d2t.cpu(), draft.t2d.cpu()
     return tensors
 
