@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .config import check_aux_layer_ids, default_aux_layer_ids
 from .errors import ConfigError, UserError
+from .extract import pending_token_shards
 from .shards import hidden_bytes_per_token, read_meta
 from .vllm_backend import DEFAULTS as VLLM_DEFAULTS
 
@@ -462,11 +463,9 @@ def check_disk(ctx: _Context) -> Check:
     per_token = hidden_bytes_per_token(int(ctx.target_config["hidden_size"]), storage)
     per_million = f"{per_token * 1e6 / GB:.1f} GB per million tokens ({storage})"
     root = Path(ctx.config.get("output_root", "build"))
-    remaining = shards = 0
-    for tokens in sorted((root / "tokens").glob("*/*.safetensors")):
-        if not (root / "hidden" / tokens.parent.name / tokens.name).exists():
-            remaining += int(read_meta(tokens).get("num_tokens", 0))
-            shards += 1
+    pending = pending_token_shards(str(root))
+    remaining = sum(int(read_meta(tokens).get("num_tokens", 0)) for tokens in pending)
+    shards = len(pending)
     free = shutil.disk_usage(_existing_parent(root)).free
     reserve = float(ctx.extract.get("disk_reserve_gb", 1.0)) * GB
     problems = []
@@ -479,9 +478,10 @@ def check_disk(ctx: _Context) -> Check:
         if need + reserve > free:
             problems.append(detail)
     else:
-        detail = (
-            f"{per_million}; {free / GB:.1f} GB free under {root} (no token shards yet for an exact figure)"
+        built = "every token shard is extracted" if any((root / "tokens").glob("*/*.safetensors")) else (
+            "no token shards yet for an exact figure"
         )
+        detail = f"{per_million}; {free / GB:.1f} GB free under {root} ({built})"
     if ctx.backend == "vllm":
         # The connector's files of the requests in flight, each [T, 4, H] bf16.
         staging = Path(ctx.vllm.get("shared_storage_path") or root)

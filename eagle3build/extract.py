@@ -403,10 +403,10 @@ def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, r
         return reply
 
 
-def pending_token_shards(out_root: str, this_shard: str) -> list[str]:
-    """Token shards whose hidden shard does not exist yet: what the rest of this run will write."""
+def pending_token_shards(out_root: str, this_shard: str | None = None) -> list[str]:
+    """Token shards whose hidden shard does not exist yet: what the rest of the run will write."""
     root = Path(out_root)
-    pending = {str(Path(this_shard))}
+    pending = {str(Path(this_shard))} if this_shard else set()
     for tokens in (root / "tokens").glob("*/*.safetensors"):
         rel = tokens.relative_to(root / "tokens")
         if not (root / "hidden" / rel).exists():
