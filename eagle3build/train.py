@@ -274,11 +274,8 @@ def read_mapping(path: str, target: TargetHead) -> tuple[torch.Tensor, torch.Ten
 
 # ============================================================================================ state
 def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def params_hash(

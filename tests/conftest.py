@@ -14,6 +14,15 @@ STORIES = SHARED / "assets" / "models" / "stories260K"
 TOKENIZERS = SHARED / "assets" / "tokenizers"
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
 
+# A chat template for stories260K (a base model without one), as an inline string.
+STORY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'user' %}User: {{ m.content }}\n"
+    "{% elif m.role == 'assistant' %}Assistant: {{ m.content }}{{ eos_token }}\n"
+    "{% else %}{{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
 torch.set_num_threads(2)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

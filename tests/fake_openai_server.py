@@ -93,37 +93,39 @@ class FakeOpenAIServer:
                     garbage = not (fail or hang) and server._take("garbage_next")
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                # The reply is computed first and the request leaves the in-flight count before a
+                # byte is sent: a client may fire its next request as soon as it reads this one.
+                reply = None
                 try:
                     time.sleep(server.hang_s if hang else server.delay_s)
-                    if request.get("model") != server.model:
-                        return self._send(404, b'{"error": "model not found"}')
-                    poisoned = server.fail_if_contains and any(
-                        server.fail_if_contains in m["content"]
-                        for m in request["messages"]
-                        if m["role"] == "user"
-                    )
-                    if fail or poisoned:
-                        return self._send(500, b'{"error": "internal error"}')
-                    if garbage:
-                        return self._send(200, b"<html>proxy error</html>", "text/html")
-                    content, finish = fake_answer(request["messages"], request.get("max_tokens"))
-                    body = {
-                        "id": "chatcmpl-fake",
-                        "object": "chat.completion",
-                        "model": server.model,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": content},
-                                "finish_reason": finish,
-                            }
-                        ],
-                    }
-                    self._send(200, json.dumps(body).encode())
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout test)
+                    reply = self._reply(request, fail, garbage)
                 finally:
                     with server._lock:
                         server.in_flight -= 1
+                try:
+                    self._send(*reply)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout test)
+
+            def _reply(self, request: dict, fail: bool, garbage: bool) -> tuple:
+                if request.get("model") != server.model:
+                    return 404, b'{"error": "model not found"}'
+                poisoned = server.fail_if_contains and any(
+                    server.fail_if_contains in m["content"] for m in request["messages"] if m["role"] == "user"
+                )
+                if fail or poisoned:
+                    return 500, b'{"error": "internal error"}'
+                if garbage:
+                    return 200, b"<html>proxy error</html>", "text/html"
+                content, finish = fake_answer(request["messages"], request.get("max_tokens"))
+                body = {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "model": server.model,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+                    ],
+                }
+                return 200, json.dumps(body).encode()
 
         return Handler

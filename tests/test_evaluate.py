@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import STORY_CHAT_TEMPLATE as TEMPLATE
 
 from eagle3build.evaluate import (
     AcceptanceStats,
@@ -21,13 +22,6 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES = SHARED / "assets" / "models" / "stories260K"
 EOS = 2
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'user' %}User: {{ m.content }}\n"
-    "{% elif m.role == 'assistant' %}Assistant: {{ m.content }}{{ eos_token }}\n"
-    "{% else %}{{ m.content }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 STORY_PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
     "Tom and his dog went to the park. They saw a big",
@@ -72,7 +66,7 @@ def test_read_questions(tmp_path):
     path.write_text('{"question_id": 1, "turns": []}\n')
     from eagle3build.errors import UserError
 
-    with pytest.raises(UserError, match=r"q.jsonl:1"):
+    with pytest.raises(UserError, match=r"q.jsonl line 1"):
         read_questions(str(path))
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import STORY_CHAT_TEMPLATE as TEMPLATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -197,13 +198,6 @@ def test_wrong_model_name_is_a_user_error(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # hf backend on a real (tiny) model
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'user' %}User: {{ m.content }}\n"
-    "{% elif m.role == 'assistant' %}Assistant: {{ m.content }}{{ eos_token }}\n"
-    "{% else %}{{ m.content }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 
 @pytest.fixture
