@@ -113,16 +113,20 @@ def _decode_line(raw: bytes, path: Path, line_no: int, line_start: int) -> str:
         ) from e
 
 
-def iter_jsonl(path: str | Path) -> Iterator[Record]:
-    """JSON objects of a JSONL(.gz) file, streamed; errors name the file, line (and byte for bad UTF-8)."""
+def iter_jsonl_from(path: str | Path, start: int = 0) -> Iterator[tuple[int, Record]]:
+    """(index, JSON object) of a JSONL(.gz) file from object `start` on, streamed; errors name the file,
+    line (and byte for bad UTF-8)."""
     path = Path(path)
-    offset = 0
+    offset, index = 0, -1
     with _open_binary(path) as f:
         for line_no, raw in enumerate(f, start=1):
-            start, offset = offset, offset + len(raw)
+            line_start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
-            text = _decode_line(raw, path, line_no, start)
+            index += 1
+            if index < start:
+                continue
+            text = _decode_line(raw, path, line_no, line_start)
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
@@ -132,7 +136,12 @@ def iter_jsonl(path: str | Path) -> Iterator[Record]:
                 ) from e
             if not isinstance(data, dict):
                 raise UserError(f"{path} line {line_no}: expected a JSON object, found {type(data).__name__}")
-            yield Record(data, f"{path} line {line_no}")
+            yield index, Record(data, f"{path} line {line_no}")
+
+
+def iter_jsonl(path: str | Path) -> Iterator[Record]:
+    """The JSON objects of a JSONL(.gz) file, streamed."""
+    return (record for _, record in iter_jsonl_from(path))
 
 
 def _iter_json_list(path: Path) -> Iterator[Record]:
@@ -183,14 +192,23 @@ def _load_hf(source: str, split: str | None):
         ) from e
 
 
-def iter_raw_records(source: str, split: str | None = None) -> Iterator[Record]:
-    """Yield every raw record of a source, streaming where the container allows."""
+def iter_raw_records(source: str, split: str | None = None, start: int = 0) -> Iterator[tuple[int, Record]]:
+    """Yield (index, raw record) from record `start` on, streaming where the container allows.
+
+    JSONL lines before `start` are skipped without being parsed, so a shard job reads its range cheaply.
+    """
     if _is_hf_source(source):
-        for i, row in enumerate(_load_hf(source, split)):
-            yield Record(dict(row), f"{source} row {i}")
+        dataset = _load_hf(source, split)
+        for i in range(start, len(dataset)):
+            yield i, Record(dict(dataset[i]), f"{source} row {i}")
         return
     path = Path(source)
-    yield from (_iter_json_list(path) if _is_json_list(path) else iter_jsonl(path))
+    if _is_json_list(path):
+        for i, record in enumerate(_iter_json_list(path)):
+            if i >= start:
+                yield i, record
+        return
+    yield from iter_jsonl_from(path, start)
 
 
 def count_records(source: str, fmt: str = "auto", split: str | None = None) -> int:
@@ -436,11 +454,11 @@ def normalize(record: Record, fmt: str) -> tuple[dict, int]:
 
 
 def iter_conversations(
-    source: str, fmt: str = "auto", split: str | None = None, key: str = "datasets[i].format"
+    source: str, fmt: str = "auto", split: str | None = None, key: str = "datasets[i].format", start: int = 0
 ) -> Iterator[tuple[int, Record, dict | SkipRecord, int]]:
     """Yield (source index, raw record, normalized conversation or the SkipRecord, leading turns dropped)."""
     check_format(fmt, key)
-    for index, record in enumerate(iter_raw_records(source, split)):
+    for index, record in iter_raw_records(source, split, start):
         if fmt == "auto":
             fmt = detect_format(record.data, record.where, key)
         try:

@@ -46,18 +46,24 @@ def split_dataset(
     max_samples: int | None,
     split: str | None,
     name: str,
+    first_shard: int = 0,
+    total_shards: int | None = None,
 ) -> dict:
-    """Normalize a dataset into len(out_paths) JSONL shards; source record i goes to shard i // shard_size.
+    """Normalize a dataset into JSONL shards; source record i goes to shard i // shard_size.
 
-    Records are numbered by their position in the source (ids f"{name}:{i}"), so a skipped record leaves a
-    gap instead of shifting every later record to another shard. The caller plans
-    len(out_paths) = ceil(min(count_records(...), max_samples) / shard_size); all shards are written to
-    temp files and renamed together at the end, so a failure leaves none of them.
+    `out_paths` are shards first_shard, first_shard + 1, ... of the `total_shards` the caller planned
+    (ceil(min(count_records(...), max_samples) / shard_size); default: exactly these). The workflow runs
+    one job per shard, so every rule has pattern outputs and a shard job reads only up to its range
+    (JSONL lines before it are skipped unparsed). Records are numbered by their position in the source
+    (ids f"{name}:{i}"), so a skipped record leaves a gap instead of shifting later records to another
+    shard. The shards are written to temp files and renamed together, so a failure leaves none of them.
     """
     if shard_size < 1:
         raise UserError(f"prepare.shard_size must be >= 1, got {shard_size}")
-    capacity = len(out_paths) * shard_size
+    total_shards = total_shards or first_shard + len(out_paths)
+    capacity = total_shards * shard_size
     limit = capacity if max_samples is None else min(max_samples, capacity)
+    start, end = first_shard * shard_size, (first_shard + len(out_paths)) * shard_size
     report = {
         "source": source,
         "format": fmt,
@@ -72,22 +78,24 @@ def split_dataset(
     with contextlib.ExitStack() as stack:
         temps = [stack.enter_context(atomic_path(p)) for p in out_paths]
         shard, out = -1, None
-        for index, record, conversation, dropped in iter_conversations(source, fmt, split, key):
+        for index, record, conversation, dropped in iter_conversations(source, fmt, split, key, start):
+            if index >= end and index < limit:
+                break  # the next shard's job takes it from here
             if index >= limit:
                 if max_samples is None or max_samples > capacity:
                     raise UserError(
                         f"{source}: has more than the {capacity} records planned for "
-                        f"{len(out_paths)} shards; it changed since the workflow was planned, rerun"
+                        f"{total_shards} shards; it changed since the workflow was planned, rerun"
                     )
                 break
             report["records_read"] += 1
             if isinstance(conversation, SkipRecord):
                 _note_skip(report, conversation.reason, record.where, str(conversation))
                 continue
-            if index // shard_size != shard:
+            if index // shard_size - first_shard != shard:
                 if out is not None:
                     out.close()
-                shard = index // shard_size
+                shard = index // shard_size - first_shard
                 out = open(temps[shard], "w", encoding="utf-8")
             report["leading_assistant_turns_dropped"] += dropped
             out.write(json.dumps({"id": f"{name}:{index}", **conversation}, ensure_ascii=False) + "\n")
@@ -95,7 +103,8 @@ def split_dataset(
             report["conversations_written"] += 1
         if out is not None:
             out.close()
-        if report["records_read"] and not report["conversations_written"]:
+        whole_dataset = first_shard == 0 and len(out_paths) == total_shards
+        if whole_dataset and report["records_read"] and not report["conversations_written"]:
             raise UserError(
                 f"{source}: all {report['records_read']} records were skipped (e.g. "
                 f"{report['skipped_examples'][0]['record']}: {report['skipped_examples'][0]['detail']}); "

@@ -1,25 +1,23 @@
-# split: one job per dataset reads it once and writes its conversation shards (normalized JSONL).
+# split: one job per shard normalizes its range of the dataset into JSONL (pattern outputs keep the
+# DAG linear in the number of shards; JSONL lines before the range are skipped unparsed).
 # tokens: one job per shard applies the chat template and builds the assistant-only loss mask.
 
-for _name, _ds in DATASETS.items():
-
-    rule:
-        name:
-            f"split_{_ds['index']}"
-        input:
-            local_file(_ds["path"]),
-        output:
-            [f"{OUT}/data/{_name}/{s}.jsonl" for s in _ds["shards"]],
-        log:
-            f"{OUT}/logs/split/{_name}.log",
-        params:
-            dataset={
-                k: _ds[k] for k in ("name", "path", "format", "split", "max_samples")
-            },
-            shard_size=config["prepare"]["shard_size"],
-            version=FORMAT_VERSIONS["split"],
-        script:
-            "../scripts/split.py"
+rule split:
+    input:
+        lambda wc: local_file(DATASETS[wc.ds]["path"]),
+    output:
+        f"{OUT}/data/{{ds}}/{{shard}}.jsonl",
+    params:
+        dataset=lambda wc: {
+            k: DATASETS[wc.ds][k] for k in ("name", "path", "format", "split", "max_samples")
+        },
+        shards=lambda wc: len(DATASETS[wc.ds]["shards"]),
+        shard_size=config["prepare"]["shard_size"],
+        version=FORMAT_VERSIONS["split"],
+    log:
+        f"{OUT}/logs/split/{{ds}}/{{shard}}.log",
+    script:
+        "../scripts/split.py"
 
 
 rule tokens:

@@ -1,4 +1,4 @@
-"""split rule: read one dataset once and write its conversation shards."""
+"""split rule: normalize one shard's range of a dataset into conversation JSONL."""
 import sys
 
 # Import the package that sits next to this workflow, installed or not.
@@ -11,7 +11,8 @@ def split(sm):
 
     ds = sm.params.dataset
     report = split_dataset(ds["path"], ds["format"], list(sm.output), sm.params.shard_size, ds["max_samples"],
-                           ds["split"], ds["name"])
+                           ds["split"], ds["name"], first_shard=int(sm.wildcards.shard),
+                           total_shards=sm.params.shards)
     print(report)
 
 

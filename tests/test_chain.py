@@ -44,7 +44,7 @@ def chain(tmp_path_factory):
     wd = copy_workflow(tmp_path_factory.mktemp("chain"))
     write_config(wd, chain_config())
     jobs = planned_jobs(wd)
-    assert jobs == {"split": 1, "regenerate": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1,
+    assert jobs == {"split": 2, "regenerate": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1,
                     "train": 1, "export": 1, "evaluate": 1}
     snakemake(wd)
     yield wd

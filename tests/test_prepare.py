@@ -206,3 +206,23 @@ def test_show_cli_plain_output(tmp_path):
         cwd=REPO,
     )
     assert bad.returncode == 2 and "out of range; the shard has 2 samples" in bad.stderr
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_one_job_per_shard_writes_what_one_job_for_all_writes(tmp_path, suffix):
+    """The workflow splits shard by shard; each shard must equal the same shard of a whole-dataset split."""
+    records = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+               for i in range(11)]
+    records[4] = {"messages": []}  # skipped: leaves a gap, shifts nothing
+    src = tmp_path / f"d{suffix}"
+    src.write_text("\n".join(json.dumps(r) for r in records) if suffix == ".jsonl" else json.dumps(records))
+    whole = [str(tmp_path / f"whole-{i}.jsonl") for i in range(3)]
+    split_dataset(str(src), "auto", whole, 4, None, None, "d")
+    for i in range(3):
+        part = str(tmp_path / f"part-{i}.jsonl")
+        split_dataset(str(src), "auto", [part], 4, None, None, "d", first_shard=i, total_shards=3)
+        assert Path(part).read_text() == Path(whole[i]).read_text()
+    assert [json.loads(x)["id"] for x in Path(whole[1]).read_text().splitlines()] == ["d:5", "d:6", "d:7"]
+    with pytest.raises(UserError, match="changed since the workflow was planned"):
+        split_dataset(str(src), "auto", [str(tmp_path / "x.jsonl")], 4, None, None, "d", first_shard=1,
+                      total_shards=2)

@@ -88,7 +88,7 @@ def test_new_dataset_extracts_only_its_shards(built):
     cfg = base_config()
     cfg["datasets"].append({"name": "kto", "path": str(TRAIN_DATA / "kto_en_demo.json"), "max_samples": 16})
     targets = ["build/vocab/mapping.safetensors", *hidden_targets(cfg, {"alpaca": 3, "kto": 2})]
-    assert plan(built, cfg, targets) == {"split": 1, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1}
+    assert plan(built, cfg, targets) == {"split": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1}
 
 
 @pytest.mark.parametrize("change", ["aux_layer_ids", "max_length", "revision", "storage_dtype"])
