@@ -3,7 +3,7 @@ with the same number of jobs, measured side by side; and a no-op `make run` on t
 
     python bench/workflow_overhead.py --shards 1000 10000 [--repeats 2] [--out bench/results/workflow.json]
 
-The project's DAG for S shards has 3·S + 5 jobs (tokens, extract, vocab_count per shard; split, vocab,
+The project's DAG for S shards has 4·S + 4 jobs (split, tokens, extract, vocab_count per shard; vocab,
 train, export, evaluate). The bare workflow is one `rule all` over one trivial rule with as many jobs.
 A synthetic dataset with one conversation per shard (shard_size 1) gives S shards without real data.
 """
@@ -55,7 +55,7 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None) -
     cmd = [sys.executable, "-m", "snakemake", "--configfile", "cfg.yaml", "--cores", "2", "-n", "--quiet", "all",
            "--resources", "gpu=1"]
     timed(cmd, wd)  # warm: record-count cache, __pycache__
-    return timed(cmd, wd), 3 * shards + 5
+    return timed(cmd, wd), 4 * shards + 4
 
 
 def bare_dry_run(work: Path, jobs: int) -> float:
