@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -195,7 +195,7 @@ def main() -> int:
         worst = max(worst, float(((mine - naive).norm(dim=-1) / naive.norm(dim=-1).clamp_min(1e-6)).max()))
     result = {"model": name, "hidden_size": hidden, "layers": n_layers, "aux_layer_ids": aux, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "disk_bytes_per_s": disk,
+              "date": datetime.now(UTC).isoformat(timespec="seconds"), "disk_bytes_per_s": disk,
               "compute_flops_per_token": flops_per_token, "rows": rows,
               "max_rel_diff_vs_naive": worst, "torch": torch.__version__}
     for r in rows:

@@ -26,7 +26,7 @@ import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,7 +330,7 @@ def main() -> int:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.work.mkdir(parents=True, exist_ok=True)
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": args.model,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "argv": sys.argv[1:]}
     t0 = time.perf_counter()

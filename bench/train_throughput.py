@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from contextlib import nullcontext
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -300,7 +300,7 @@ def main() -> int:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         preset=args.preset,

@@ -2,20 +2,22 @@
 # DAG linear in the number of shards; JSONL lines before the range are skipped unparsed).
 # tokens: one job per shard applies the chat template and builds the assistant-only loss mask.
 
+
 rule split:
     input:
         lambda wc: local_file(DATASETS[wc.ds]["path"]),
     output:
         f"{OUT}/data/{{ds}}/{{shard}}.jsonl",
+    log:
+        f"{OUT}/logs/split/{{ds}}/{{shard}}.log",
     params:
         dataset=lambda wc: {
-            k: DATASETS[wc.ds][k] for k in ("name", "path", "format", "split", "max_samples")
+            k: DATASETS[wc.ds][k]
+            for k in ("name", "path", "format", "split", "max_samples")
         },
         shards=lambda wc: len(DATASETS[wc.ds]["shards"]),
         shard_size=config["prepare"]["shard_size"],
         version=FORMAT_VERSIONS["split"],
-    log:
-        f"{OUT}/logs/split/{{ds}}/{{shard}}.log",
     script:
         "../scripts/split.py"
 
