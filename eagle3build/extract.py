@@ -115,11 +115,18 @@ class Extractor:
         return capture
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] -> states [B, T, 4, H] (three aux streams, then the pre-norm final stream)."""
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] -> states [B, T, 4, H] (three aux streams, then the pre-norm final stream).
+
+        With `rows` (flat indices into B*T), only those positions: [len(rows), 4, H], packed.
+        """
         self._captured.clear()
         self.base(input_ids=ids, attention_mask=attention_mask, use_cache=False)
-        return torch.stack([self._captured[s] for s in range(4)], dim=2)
+        streams = [self._captured[s] for s in range(4)]
+        if rows is None:
+            return torch.stack(streams, dim=2)
+        return torch.stack([s.reshape(-1, s.shape[-1]).index_select(0, rows) for s in streams], dim=1)
 
     def extract_shard(self, tokens_path: str, out_path: str, storage_dtype: str, batch_tokens: int,
                       max_batch_size: int = 64, meta: dict | None = None, progress: bool = True) -> dict:
@@ -131,18 +138,25 @@ class Extractor:
         bar = _progress(total=int(shard.input_ids.numel()), desc=Path(out_path).name, enabled=progress)
         with HiddenShardWriter(out_path, shard.input_ids, shard.loss_mask, shard.cu_seqlens, self.hidden_size,
                                storage_dtype, meta) as writer:
+            # Pinned inputs copied with non_blocking: a pageable host-to-device copy synchronises the stream,
+            # which would stall the queue of forwards behind every batch.
+            pin = self.device.startswith("cuda")
             for batch in length_batches(lengths, batch_tokens, max_batch_size):
                 longest = lengths[batch[0]]
-                ids = torch.zeros(len(batch), longest, dtype=torch.long)
-                mask = torch.zeros(len(batch), longest, dtype=torch.long)
+                ids = torch.zeros(len(batch), longest, dtype=torch.long, pin_memory=pin)
+                mask = torch.zeros(len(batch), longest, dtype=torch.long, pin_memory=pin)
+                spans = []
                 for row, i in enumerate(batch):
                     a, b = int(shard.cu_seqlens[i]), int(shard.cu_seqlens[i + 1])
                     ids[row, : b - a] = shard.input_ids[a:b]
                     mask[row, : b - a] = 1
-                states = self.forward(ids.to(self.device), mask.to(self.device))
-                for row, i in enumerate(batch):
-                    writer.write(int(shard.cu_seqlens[i]), states[row, : lengths[i]])
-                bar.update(int(mask.sum()))
+                    spans.append((a, b - a))
+                # Real positions as flat indices computed here, so packing them needs no device sync.
+                real = torch.cat([torch.arange(n) + row * longest for row, (_, n) in enumerate(spans)])
+                real = real.pin_memory() if pin else real
+                states = self.forward(*(t.to(self.device, non_blocking=True) for t in (ids, mask, real)))
+                writer.write_batch(spans, states)
+                bar.update(int(real.numel()))
         bar.close()
         seconds = time.perf_counter() - t0
         tokens = int(sum(lengths))

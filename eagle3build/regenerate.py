@@ -231,8 +231,16 @@ class HFBackend:
             answers.append((self.tokenizer.decode(tokens, skip_special_tokens=True), truncated))
         return answers
 
+    @staticmethod
+    def _first_prompt_chars(sample: dict) -> int:
+        replay = Replay(sample)
+        messages = replay.next_prompt() or []
+        return sum(len(str(m.get("content") or "")) for m in messages) + len(json.dumps(replay.tools or []))
+
     def run(self, samples: list[tuple[int, dict]]) -> Iterator[tuple[int, dict | Exception]]:
         batch_size = int(self.params["batch_size"])
+        # Batches of similar prompt length: left padding to the longest prompt costs every row its length.
+        samples = sorted(samples, key=lambda item: (self._first_prompt_chars(item[1]), item[0]))
         for start in range(0, len(samples), batch_size):
             chunk = samples[start : start + batch_size]
             replays = [Replay(sample) for _, sample in chunk]

@@ -152,14 +152,17 @@ def read_hidden(path, dtype: torch.dtype = torch.float32, device="cpu") -> Hidde
 class HiddenShardWriter:
     """Stream a hidden shard to disk: header first, then rows at their offsets from a writer thread.
 
-    `write(offset, rows)` enqueues rows [n, 4, H] (any float dtype, CPU or GPU: the copy to host and the
-    fp8 quantisation happen on the writer thread) for tokens [offset, offset+n). `close()` waits for the
-    queue, checks every token was written, fsyncs and renames the file into place. `abort()` (or an
-    exception inside a `with` block) removes the temp file.
+    `write(offset, rows)` enqueues rows [n, 4, H] for tokens [offset, offset+n); `write_batch(spans, rows)`
+    enqueues a packed batch whose consecutive row blocks go to several offsets (one sample each).
+    GPU rows are cast (or fp8-quantised) on the GPU and copied to pinned host memory on a side stream, one
+    copy per batch, so the copy overlaps the next forward and the writer thread only waits for its event
+    and writes; CPU rows are converted on the writer thread. `close()` waits for the queue, checks every
+    token was written, fsyncs and renames the file into place. `abort()` (or an exception inside a `with`
+    block) removes the temp file.
     """
 
     def __init__(self, path, input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                 hidden_size: int, storage_dtype: str, meta: dict, queue_depth: int = 8):
+                 hidden_size: int, storage_dtype: str, meta: dict, queue_depth: int = 4):
         if storage_dtype not in STORAGE_DTYPES:
             raise UserError(f"storage dtype '{storage_dtype}' is not one of {sorted(STORAGE_DTYPES)}")
         self.path = Path(path)
@@ -199,6 +202,8 @@ class HiddenShardWriter:
         for name, t in small.items():
             os.pwrite(self._fd, t.numpy().tobytes(), self._data_start + offsets[name])
         self._written = torch.zeros(n, dtype=torch.bool)
+        self._copy_stream = None  # created on the first GPU batch
+        # Bounds the batches in flight (and so the pinned host memory held) to queue_depth + 2.
         self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, daemon=True)
@@ -213,32 +218,76 @@ class HiddenShardWriter:
             if self._error is not None:
                 continue
             try:
-                offset, rows = item
-                self._write_now(offset, rows)
+                self._write_now(*item)
             except BaseException as e:  # reported on close()
                 self._error = e
 
-    def _write_now(self, offset: int, rows: torch.Tensor) -> None:
+    def _to_host(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        """GPU rows -> (pinned host data, pinned host scale or None, CUDA event that marks the copy done)."""
         rows = rows.detach()
-        n = rows.shape[0]
-        if self.fp8:
-            q, scale = quantize_fp8(rows)
-            q, scale = q.cpu(), scale.cpu().contiguous()
-            os.pwrite(self._fd, scale.numpy().tobytes(), self._data_start + self._offsets["hidden_scale"] + offset * NUM_SLOTS * 4)
-            data = q.contiguous().view(torch.uint8)
+        data, scale = quantize_fp8(rows) if self.fp8 else (rows.to(self.dtype), None)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=rows.device)
+        producer = torch.cuda.current_stream(rows.device)
+        self._copy_stream.wait_stream(producer)
+        with torch.cuda.stream(self._copy_stream):
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            host_scale = None
+            if scale is not None:
+                host_scale = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=True)
+                host_scale.copy_(scale, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        # The GPU tensors are freed by the caller; keep the allocator from reusing them before the copy ran.
+        data.record_stream(self._copy_stream)
+        if scale is not None:
+            scale.record_stream(self._copy_stream)
+        return host, host_scale, done
+
+    def _write_now(self, spans: list[tuple[int, int]], rows: torch.Tensor, scale: torch.Tensor | None,
+                   done) -> None:
+        if done is not None:  # staged by _to_host: wait for the async copy only
+            done.synchronize()
         else:
-            data = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
-        os.pwrite(self._fd, data.numpy().tobytes(), self._data_start + self._offsets["hidden"] + offset * self._row_bytes)
-        self._written[offset:offset + n] = True
+            rows = rows.detach()
+            if self.fp8:
+                rows, scale = quantize_fp8(rows)
+            else:
+                rows = rows.to(self.dtype)
+            rows = rows.cpu().contiguous()
+            scale = None if scale is None else scale.cpu().contiguous()
+        # memoryviews of the host buffers: no extra copy between the tensor and the kernel's write
+        data = rows.view(torch.uint8).numpy().reshape(rows.shape[0], -1)
+        scales = None if scale is None else scale.numpy()
+        start = 0
+        for offset, n in spans:
+            os.pwrite(self._fd, memoryview(data[start:start + n]),
+                      self._data_start + self._offsets["hidden"] + offset * self._row_bytes)
+            if scales is not None:
+                os.pwrite(self._fd, memoryview(scales[start:start + n]),
+                          self._data_start + self._offsets["hidden_scale"] + offset * NUM_SLOTS * 4)
+            self._written[offset:offset + n] = True
+            start += n
 
     def write(self, offset: int, rows: torch.Tensor) -> None:
+        self.write_batch([(offset, rows.shape[0] if rows.dim() == 3 else -1)], rows)
+
+    def write_batch(self, spans: list[tuple[int, int]], rows: torch.Tensor) -> None:
+        """rows [sum(n), 4, H] packed; span (offset, n) takes the next n rows for tokens [offset, offset+n)."""
         if rows.dim() != 3 or rows.shape[1:] != (NUM_SLOTS, self.hidden_size):
             raise ValueError(f"rows must be [n, {NUM_SLOTS}, {self.hidden_size}], got {tuple(rows.shape)}")
-        if offset < 0 or offset + rows.shape[0] > self.num_tokens:
-            raise ValueError(f"rows [{offset}, {offset + rows.shape[0]}) outside the shard's {self.num_tokens} tokens")
+        if sum(n for _, n in spans) != rows.shape[0]:
+            raise ValueError(f"spans cover {sum(n for _, n in spans)} rows, the batch has {rows.shape[0]}")
+        for offset, n in spans:
+            if offset < 0 or offset + n > self.num_tokens:
+                raise ValueError(f"rows [{offset}, {offset + n}) outside the shard's {self.num_tokens} tokens")
         if self._error is not None:
             raise self._error
-        self._queue.put((offset, rows))
+        if rows.is_cuda:
+            self._queue.put((spans, *self._to_host(rows)))
+        else:
+            self._queue.put((spans, rows, None, None))
 
     def close(self) -> None:
         if self._closed:
