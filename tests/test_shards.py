@@ -32,6 +32,21 @@ def test_rows_written_in_any_order_round_trip(tmp_path, dtype):
     assert list(tmp_path.iterdir()) == [tmp_path / "h.safetensors"]  # no temp file left behind
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_packed_batch_lands_at_each_samples_offset(tmp_path, dtype):
+    """write_batch: one packed batch (samples in length order, as the extractor batches them) fills the
+    rows of every sample at its own offset; wrong span totals are refused before anything is queued."""
+    ids, mask, cu = _small()
+    rows = torch.randn(12, 4, 8)
+    packed = torch.cat([rows[5:12], rows[0:5]])  # the longer sample first
+    with HiddenShardWriter(tmp_path / "h.safetensors", ids, mask, cu, 8, dtype, {}) as w:
+        with pytest.raises(ValueError, match="spans cover 11 rows, the batch has 12"):
+            w.write_batch([(5, 7), (0, 4)], packed)
+        w.write_batch([(5, 7), (0, 5)], packed)
+    s = read_hidden(tmp_path / "h.safetensors")
+    assert ((s.hidden - rows).norm(dim=-1) / rows.norm(dim=-1)).max() < (0.01 if dtype == "bf16" else 0.06)
+
+
 def test_incomplete_or_failed_writer_leaves_nothing(tmp_path):
     ids, mask, cu = _small()
     w = HiddenShardWriter(tmp_path / "h.safetensors", ids, mask, cu, 8, "bf16", {})
