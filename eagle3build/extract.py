@@ -115,18 +115,12 @@ class Extractor:
         return capture
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [B, T] -> states [B, T, 4, H] (three aux streams, then the pre-norm final stream).
-
-        With `rows` (flat indices into B*T), only those positions: [len(rows), 4, H], packed.
-        """
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> the states at `rows` (flat indices into B*T), packed: [len(rows), 4, H]
+        (three aux streams, then the pre-norm final stream)."""
         self._captured.clear()
         self.base(input_ids=ids, attention_mask=attention_mask, use_cache=False)
-        streams = [self._captured[s] for s in range(4)]
-        if rows is None:
-            return torch.stack(streams, dim=2)
-        return torch.stack([s.reshape(-1, s.shape[-1]).index_select(0, rows) for s in streams], dim=1)
+        return torch.stack([self._captured[s].flatten(0, 1).index_select(0, rows) for s in range(4)], dim=1)
 
     def extract_shard(self, tokens_path: str, out_path: str, storage_dtype: str, batch_tokens: int,
                       max_batch_size: int = 64, meta: dict | None = None, progress: bool = True) -> dict:

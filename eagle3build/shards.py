@@ -271,7 +271,7 @@ class HiddenShardWriter:
             start += n
 
     def write(self, offset: int, rows: torch.Tensor) -> None:
-        self.write_batch([(offset, rows.shape[0] if rows.dim() == 3 else -1)], rows)
+        self.write_batch([(offset, rows.shape[0] if rows.dim() else 0)], rows)
 
     def write_batch(self, spans: list[tuple[int, int]], rows: torch.Tensor) -> None:
         """rows [sum(n), 4, H] packed; span (offset, n) takes the next n rows for tokens [offset, offset+n)."""
