@@ -102,16 +102,29 @@ def phase_data(args, work: Path) -> dict:
         stats["files"][name] = n
     t0 = time.perf_counter()
     regen_params = {"backend": "hf", "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
-                    "batch_size": args.gen_batch, "device": args.device}
+                    "batch_size": args.gen_batch, "batch_tokens": args.gen_batch_tokens, "device": args.device}
+    # All files in one regeneration job: the HF backend runs one `generate` round per turn over the whole
+    # job, so one job costs max(turns) rounds where a job per file would cost the sum over files.
+    combined, regen_out = work / "regen-all" / "input.jsonl", work / "regen-all" / "output.jsonl"
+    if not regen_out.exists():
+        combined.parent.mkdir(parents=True, exist_ok=True)
+        with open(combined, "w", encoding="utf-8") as f:
+            for conv in convs["regen"]:
+                f.write(Path(conv).read_text(encoding="utf-8"))
+        report = regenerate_shard(str(combined), str(regen_out), str(regen_out) + ".report.json", target_of(args),
+                                  regen_params)
+        counts = {k: report[k] for k in ("samples", "ok", "failed", "truncated", "skipped", "cut_at_tool", "resumed")}
+        log(f"regenerated {len(convs['regen'])} shards in {time.perf_counter() - t0:.0f}s: {counts}")
+    stats["regenerate_report"] = json.loads(Path(str(regen_out) + ".report.json").read_text())
+    lines = regen_out.read_text(encoding="utf-8").splitlines(keepends=True)
+    parts = max(1, math.ceil(len(lines) / args.shard_size))
     regen_outs = []
-    for conv in convs["regen"]:
-        out = conv.replace("/data/", "/regen/")
-        if not Path(out).exists():
-            t1 = time.perf_counter()
-            report = regenerate_shard(conv, out, out + ".report.json", target_of(args), regen_params)
-            counts = {k: report[k] for k in ("samples", "ok", "failed", "truncated", "skipped", "cut_at_tool", "resumed")}
-            log(f"regenerated {out} in {time.perf_counter() - t1:.0f}s: {counts}")
-        regen_outs.append(out)
+    for i in range(parts):  # back into shards, so tokenizing and extracting run in parallel
+        out = work / "regen" / "all" / f"{i:05d}.jsonl"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("".join(lines[i::parts]), encoding="utf-8")
+        regen_outs.append(str(out))
     stats["regenerate_s"] = time.perf_counter() - t0
     convs["regen"] = regen_outs
     tokenizer = {"path": args.model, "revision": None, "trust_remote_code": False, "chat_template": args.chat_template}
@@ -318,7 +331,8 @@ def main() -> int:
     p.add_argument("--shard-size", type=int, default=2000)
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--gen-batch", type=int, default=256)
+    p.add_argument("--gen-batch", type=int, default=256, help="rows per generate call")
+    p.add_argument("--gen-batch-tokens", type=int, default=262144, help="padded tokens per generate call")
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--lr", type=float, default=3e-4)

@@ -40,7 +40,8 @@ DEFAULTS = {
     "seed": 0,
     "drop_truncated": False,  # drop conversations where a turn hit max_new_tokens
     # hf backend
-    "batch_size": 8,
+    "batch_size": 8,  # rows per generate call
+    "batch_tokens": 262144,  # padded tokens per generate call: rows x (longest prompt + max_new_tokens)
     "device": "auto",  # auto = cuda when available, else cpu
     # openai backend
     "url": "http://127.0.0.1:8000",
@@ -175,7 +176,14 @@ class Replay:
 
 
 class HFBackend:
-    """Batched `generate`: every conversation of a batch advances one turn per `generate` call."""
+    """Batched `generate`, one round per turn: round r answers the r-th user turn of every conversation.
+
+    Each round's prompts are sorted by length and cut into batches of at most `batch_size` rows and
+    `batch_tokens` padded tokens (rows x (longest prompt + max_new_tokens), which bounds the KV cache).
+    `generate` costs about the same per decode step whatever the batch (host-bound for small targets), so
+    the number of `generate` calls sets the time: a shard takes as many rounds as its longest
+    conversation has turns, not that many per batch.
+    """
 
     def __init__(self, target: dict, params: dict):
         import torch
@@ -208,19 +216,29 @@ class HFBackend:
     def description(self) -> str:
         return self.model_name
 
-    def answer(self, prompts: list[tuple[list[dict], list | None]], seed: int) -> list[tuple[str, bool]]:
-        """(text, truncated) for each (messages, tools) prompt, generated as one left-padded batch."""
+    def encode(self, messages: list[dict], tools: list | None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def batches(self, lengths: list[int]) -> list[list[int]]:
+        """Positions into `lengths`, shortest first, cut by `batch_size` rows and `batch_tokens` padded tokens."""
+        max_rows, max_tokens = int(self.params["batch_size"]), int(self.params["batch_tokens"])
+        new = int(self.params["max_new_tokens"])
+        out: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+            # sorted ascending, so row i is the longest of the batch it joins
+            if out and len(out[-1]) < max_rows and (len(out[-1]) + 1) * (lengths[i] + new) <= max_tokens:
+                out[-1].append(i)
+            else:
+                out.append([i])  # a single row always runs, even over the token budget
+        return out
+
+    def answer(self, prompts: list[list[int]], seed: int) -> list[tuple[str, bool]]:
+        """(text, truncated) for each prompt (token ids), generated as one left-padded batch."""
         from transformers import set_seed
 
-        texts = [
-            self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
-            )
-            for messages, tools in prompts
-        ]
-        batch = self.tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-        batch = batch.to(self.device)
-        set_seed(seed)  # same seed, same batch -> same samples, also after a resume
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
+        set_seed(seed)  # same input, same batches -> same samples
         with self.torch.inference_mode():
             out = self.model.generate(**batch, generation_config=self.generation_config())
         answers = []
@@ -231,32 +249,20 @@ class HFBackend:
             answers.append((self.tokenizer.decode(tokens, skip_special_tokens=True), truncated))
         return answers
 
-    @staticmethod
-    def _first_prompt_chars(sample: dict) -> int:
-        replay = Replay(sample)
-        messages = replay.next_prompt() or []
-        return sum(len(str(m.get("content") or "")) for m in messages) + len(json.dumps(replay.tools or []))
-
     def run(self, samples: list[tuple[int, dict]]) -> Iterator[tuple[int, dict | Exception]]:
-        batch_size = int(self.params["batch_size"])
-        # Batches of similar prompt length: left padding to the longest prompt costs every row its length.
-        samples = sorted(samples, key=lambda item: (self._first_prompt_chars(item[1]), item[0]))
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start : start + batch_size]
-            replays = [Replay(sample) for _, sample in chunk]
-            turn = 0
-            while True:
-                active = [r for r in replays if r.next_prompt() is not None]
-                if not active:
-                    break
-                # Seeded by the chunk's first sample index: reruns of a chunk regenerate the same text.
-                seed = int(self.params["seed"]) + 1000 * chunk[0][0] + turn
-                answers = self.answer([(r.next_prompt(), r.tools) for r in active], seed)
-                for replay, (text, truncated) in zip(active, answers, strict=True):
-                    replay.add_answer(text, truncated)
-                turn += 1
-            for (index, _), replay in zip(chunk, replays, strict=True):
-                yield index, replay.result()
+        replays = {index: Replay(sample) for index, sample in samples}
+        round_no = 0
+        while replays:
+            waiting = [(i, r) for i, r in replays.items() if r.next_prompt() is not None]
+            for index in [i for i, r in replays.items() if r.next_prompt() is None]:
+                yield index, replays.pop(index).result()  # finished conversations reach the partial file now
+            prompts = [self.encode(r.next_prompt(), r.tools) for _, r in waiting]
+            for batch_no, rows in enumerate(self.batches([len(p) for p in prompts])):
+                seed = int(self.params["seed"]) + 100_003 * round_no + batch_no
+                answers = self.answer([prompts[i] for i in rows], seed)
+                for i, (text, truncated) in zip(rows, answers, strict=True):
+                    waiting[i][1].add_answer(text, truncated)
+            round_no += 1
 
 
 class OpenAIBackend:
@@ -384,7 +390,7 @@ def read_conversations(path: str) -> list[dict]:
 
 
 def _fingerprint(in_path: str, target: dict, params: dict) -> str:
-    keys = ("backend", "temperature", "top_p", "max_new_tokens", "seed", "batch_size", "model")
+    keys = ("backend", "temperature", "top_p", "max_new_tokens", "seed", "batch_size", "batch_tokens", "model")
     settings = {k: params[k] for k in keys}
     settings["target"] = {k: target.get(k) for k in ("path", "model", "revision", "chat_template")}
     digest = hashlib.sha256(Path(in_path).read_bytes())
@@ -395,7 +401,7 @@ def _fingerprint(in_path: str, target: dict, params: dict) -> str:
 def _check_params(params: dict) -> None:
     if params["backend"] not in ("hf", "openai"):
         raise ConfigError("regenerate.backend", f"'{params['backend']}' is not one of hf, openai")
-    for key in ("max_new_tokens", "batch_size", "concurrency"):
+    for key in ("max_new_tokens", "batch_size", "batch_tokens", "concurrency"):
         if int(params[key]) < 1:
             raise ConfigError(f"regenerate.{key}", f"must be >= 1, got {params[key]}")
     if not 0 < float(params["top_p"]) <= 1:

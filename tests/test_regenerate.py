@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_openai_server import FakeOpenAIServer, fake_answer  # noqa: E402
 
 from eagle3build.errors import UserError  # noqa: E402
-from eagle3build.regenerate import regenerate_shard  # noqa: E402
+from eagle3build.regenerate import HFBackend, regenerate_shard  # noqa: E402
 
 torch.set_num_threads(1)
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -230,7 +230,23 @@ def reference_greedy(target: dict, messages: list[dict], max_new_tokens: int) ->
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target):
+def test_hf_batches_shortest_first_within_row_and_token_limits():
+    backend = HFBackend.__new__(HFBackend)  # batching needs only the params
+    backend.params = {"batch_size": 3, "batch_tokens": 100, "max_new_tokens": 10}
+    lengths = [50, 5, 20, 6, 7, 95, 8]
+    batches = backend.batches(lengths)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:  # padded to the batch's longest prompt, plus the answer budget
+        assert len(b) <= 3
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 10) <= 100
+    # rows cap [5, 6, 7]; [8, 20] fit 2 x 30; 50 alone (3 x 60 > 100); 95 alone, over budget but runs
+    assert batches == [[1, 3, 4], [6, 2], [0], [5]]
+
+
+def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target, monkeypatch):
+    calls = []
+    answer = HFBackend.answer
+    monkeypatch.setattr(HFBackend, "answer", lambda self, prompts, seed: calls.append(len(prompts)) or answer(self, prompts, seed))
     samples = [
         {
             "id": "a",
@@ -257,6 +273,8 @@ def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target):
     assert out[2]["messages"][1]["content"] == reference_greedy(stories_target, out[2]["messages"][:1], 24)
     # A 24-token budget stops (almost) every story mid-sentence: the count must say so.
     assert report["truncated"] >= 1
+    # Round 1 answers the three first turns (batches of 2), round 2 the one second turn.
+    assert calls == [2, 1, 1]
 
 
 def test_hf_backend_sampling_is_seeded(tmp_path, stories_target):
