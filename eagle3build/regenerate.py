@@ -8,8 +8,9 @@ every EAGLE-3 anchor recommends (speculators' ablation: step-0 accuracy 0.280 ->
 Two backends:
 - "hf": transformers batched `generate` (left padding; GPU in bf16 when there is one, else CPU fp32).
 - "openai": an OpenAI-compatible server (`vllm serve`, SGLang) queried concurrently, with retries,
-  timeouts and resume: each finished conversation is appended to `out_path + ".partial.jsonl"`, so a
-  killed job restarts where it stopped. Both backends write the partial file.
+  timeouts and resume.
+Both backends append every finished turn to `out_path + ".partial.jsonl"` (finished conversations, and the
+context of unfinished ones), so a killed job restarts at the first turn it had not finished.
 
 Conversations cut short: a `tool` message answers the dataset's tool calls, which the regenerated
 assistant turn no longer makes, so a conversation ends before its first `tool` message (counted as
@@ -23,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -165,6 +167,22 @@ class Replay:
         self.turns_done += 1
         self.truncated |= truncated
 
+    def state(self) -> dict:
+        """What a resume needs to continue this conversation after its last finished turn."""
+        return {
+            "context": self.context,
+            "turns_done": self.turns_done,
+            "truncated": self.truncated,
+            "ended_by_tool_call": self.ended_by_tool_call,
+        }
+
+    def restore(self, state: dict) -> Replay:
+        self.context = list(state["context"])
+        self.turns_done = int(state["turns_done"])
+        self.truncated = bool(state["truncated"])
+        self.ended_by_tool_call = bool(state["ended_by_tool_call"])
+        return self
+
     def result(self) -> dict:
         out = {k: v for k, v in self.sample.items() if k != "messages"}
         out["messages"] = self.context
@@ -249,19 +267,22 @@ class HFBackend:
             answers.append((self.tokenizer.decode(tokens, skip_special_tokens=True), truncated))
         return answers
 
-    def run(self, samples: list[tuple[int, dict]]) -> Iterator[tuple[int, dict | Exception]]:
-        replays = {index: Replay(sample) for index, sample in samples}
+    def run(self, replays: dict[int, Replay], on_turn: Callable[[int, Replay], None]) -> Iterator[tuple[int, Replay | Exception]]:
+        replays = dict(replays)
         round_no = 0
         while replays:
             waiting = [(i, r) for i, r in replays.items() if r.next_prompt() is not None]
             for index in [i for i, r in replays.items() if r.next_prompt() is None]:
-                yield index, replays.pop(index).result()  # finished conversations reach the partial file now
+                yield index, replays.pop(index)  # finished conversations reach the partial file now
             prompts = [self.encode(r.next_prompt(), r.tools) for _, r in waiting]
             for batch_no, rows in enumerate(self.batches([len(p) for p in prompts])):
                 seed = int(self.params["seed"]) + 100_003 * round_no + batch_no
                 answers = self.answer([prompts[i] for i in rows], seed)
                 for i, (text, truncated) in zip(rows, answers, strict=True):
-                    waiting[i][1].add_answer(text, truncated)
+                    index, replay = waiting[i]
+                    replay.add_answer(text, truncated)
+                    if replay.next_prompt() is not None:
+                        on_turn(index, replay)
             round_no += 1
 
 
@@ -286,9 +307,8 @@ class OpenAIBackend:
     def description(self) -> str:
         return f"{self.client.model} @ {self.client.base_url}"
 
-    def converse(self, index: int, sample: dict) -> dict:
+    def converse(self, index: int, replay: Replay, on_turn: Callable[[int, Replay], None]) -> Replay:
         p = self.params
-        replay = Replay(sample)
         while (messages := replay.next_prompt()) is not None:
             answer = self.client.chat(
                 messages,
@@ -299,13 +319,15 @@ class OpenAIBackend:
                 seed=int(p["seed"]) + index,  # per request, so the result does not depend on scheduling
             )
             replay.add_answer(answer.content, answer.finish_reason == "length", answer.tool_calls)
-        return replay.result()
+            if replay.next_prompt() is not None:
+                on_turn(index, replay)
+        return replay
 
-    def run(self, samples: list[tuple[int, dict]]) -> Iterator[tuple[int, dict | Exception]]:
+    def run(self, replays: dict[int, Replay], on_turn: Callable[[int, Replay], None]) -> Iterator[tuple[int, Replay | Exception]]:
         from .openai_client import RequestFailed
 
         with ThreadPoolExecutor(max_workers=int(self.params["concurrency"])) as pool:
-            futures = {pool.submit(self.converse, index, sample): index for index, sample in samples}
+            futures = {pool.submit(self.converse, i, r, on_turn): i for i, r in replays.items()}
             try:
                 for future in as_completed(futures):
                     try:
@@ -322,19 +344,23 @@ class OpenAIBackend:
 
 
 class PartialFile:
-    """Finished conversations, one JSON line each, after a header line with a fingerprint of the job.
+    """Finished turns, one JSON line each, after a header line with a fingerprint of the job.
 
-    A kill can leave a half-written last line: lines that do not parse are ignored. A file written for
-    another input or other generation settings is discarded rather than mixed in.
+    A line is either a finished conversation ({"index", "result"}) or the state of an unfinished one
+    after a turn ({"index", "progress"}; the last one of an index counts). A kill can leave a
+    half-written last line: lines that do not parse are ignored. A file written for another input or
+    other generation settings is discarded rather than mixed in.
     """
 
     def __init__(self, path: str, fingerprint: str):
         self.path = Path(path)
         self.fingerprint = fingerprint
+        self._lock = threading.Lock()  # the openai backend appends from its worker threads
 
-    def load(self) -> dict[int, dict]:
+    def load(self) -> tuple[dict[int, dict], dict[int, dict]]:
+        """(results of finished conversations, progress of unfinished ones) by sample index."""
         if not self.path.exists():
-            return {}
+            return {}, {}
         lines = self.path.read_text(encoding="utf-8").splitlines()
         try:
             header = json.loads(lines[0]) if lines else {}
@@ -344,27 +370,42 @@ class PartialFile:
             print(
                 f"regenerate: ignoring {self.path} (written for another input or settings)", file=sys.stderr
             )
-            return {}
-        done = {}
+            return {}, {}
+        done, progress = {}, {}
         for line in lines[1:]:
             try:
                 record = json.loads(line)
-                done[int(record["index"])] = record["result"]
+                index = int(record["index"])
+                if "result" in record:
+                    done[index] = record["result"]
+                else:
+                    state = record["progress"]
+                    progress[index] = {k: state[k] for k in ("context", "turns_done", "truncated", "ended_by_tool_call")}
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue
-        return done
+        return done, {i: state for i, state in progress.items() if i not in done}
 
-    def start(self, done: dict[int, dict]) -> None:
+    def start(self, done: dict[int, dict], progress: dict[int, dict]) -> None:
         """Rewrite the file with only its valid records, so appends never follow a torn line."""
         with atomic_path(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
             for index, result in sorted(done.items()):
                 f.write(json.dumps({"index": index, "result": result}, ensure_ascii=False) + "\n")
+            for index, state in sorted(progress.items()):
+                f.write(json.dumps({"index": index, "progress": state}, ensure_ascii=False) + "\n")
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
+    def _write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
     def append(self, index: int, result: dict) -> None:
-        self._file.write(json.dumps({"index": index, "result": result}, ensure_ascii=False) + "\n")
-        self._file.flush()
+        self._write({"index": index, "result": result})
+
+    def append_progress(self, index: int, replay: Replay) -> None:
+        self._write({"index": index, "progress": replay.state()})
 
     def close(self) -> None:
         self._file.close()
@@ -417,22 +458,26 @@ def regenerate_shard(in_path: str, out_path: str, out_report: str, target: dict,
     samples = read_conversations(in_path)
     skipped = [i for i, s in enumerate(samples) if not Replay(s).user_turns]
     partial = PartialFile(out_path + ".partial.jsonl", _fingerprint(in_path, target, params))
-    done = partial.load()
-    resumed = len(done)
-    pending = [(i, s) for i, s in enumerate(samples) if i not in done and i not in skipped]
+    done, progress = partial.load()
+    resumed, resumed_turns = len(done), sum(state["turns_done"] for state in progress.values())
+    pending = {
+        i: Replay(s).restore(progress[i]) if i in progress else Replay(s)
+        for i, s in enumerate(samples)
+        if i not in done and i not in skipped
+    }
 
     errors: dict[int, str] = {}
     if pending:
         backend = HFBackend(target, params) if params["backend"] == "hf" else OpenAIBackend(params)
         description = backend.description
-        partial.start(done)
+        partial.start(done, progress)
         try:
-            for index, result in backend.run(pending):
+            for index, result in backend.run(pending, partial.append_progress):
                 if isinstance(result, Exception):
                     errors[index] = str(result)
                 else:
-                    done[index] = result
-                    partial.append(index, result)
+                    done[index] = result.result()
+                    partial.append(index, done[index])
         finally:
             partial.close()
     else:
@@ -453,6 +498,7 @@ def regenerate_shard(in_path: str, out_path: str, out_report: str, target: dict,
         "skipped": len(skipped),
         "cut_at_tool": sum(r["cut_at_tool"] for r in done.values()),
         "resumed": resumed,
+        "resumed_turns": resumed_turns,
         "written": len(kept),
         "errors": [{"index": i, "id": samples[i].get("id"), "error": e} for i, e in sorted(errors.items())][
             :20

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_openai_server import FakeOpenAIServer, fake_answer  # noqa: E402
 
 from eagle3build.errors import UserError  # noqa: E402
-from eagle3build.regenerate import HFBackend, regenerate_shard  # noqa: E402
+from eagle3build.regenerate import HFBackend, PartialFile, regenerate_shard  # noqa: E402
 
 torch.set_num_threads(1)
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -148,6 +148,56 @@ def test_too_many_failures_raise_and_resume_retries_only_those(tmp_path):
     assert not partial.exists()
 
 
+def test_resume_continues_a_conversation_at_its_first_unfinished_turn(tmp_path):
+    turns = ["first question", "second question", "third question"]
+    sample = {"id": "long", "messages": [m for t in turns for m in ({"role": "user", "content": t},
+                                                                      {"role": "assistant", "content": "OLD"})]}
+    with FakeOpenAIServer() as server:
+        server.fail_if_contains = "third"  # the job dies in the conversation's last turn
+        params = openai_params(server, max_retries=0, max_failed_fraction=0.0)
+        with pytest.raises(UserError, match="1 of 1 conversations failed"):
+            run(tmp_path, [sample], params)
+        server.fail_if_contains = None
+        server.requests.clear()
+        out, report = run(tmp_path, [sample], params)
+    # only the third turn is asked again, after the two answers the first run got
+    assert len(server.requests) == 1
+    asked = server.requests[0]["messages"]
+    assert [m["content"] for m in asked if m["role"] == "user"] == turns
+    assert [m["content"] for m in asked if m["role"] == "assistant"] == [
+        fake_answer(asked[:1])[0], fake_answer(asked[:3])[0]]
+    assert report["resumed"] == 0 and report["resumed_turns"] == 2 and report["ok"] == 1
+    assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant"] * 3
+    assert "OLD" not in json.dumps(out)
+
+
+def test_hf_backend_resumes_mid_conversation(tmp_path, stories_target):
+    from eagle3build.regenerate import DEFAULTS, PartialFile, Replay, _fingerprint
+
+    samples = [
+        {"id": "a", "messages": [{"role": "user", "content": "Once upon a time there was a cat."},
+                                 {"role": "user", "content": "What did the cat do?"}]},
+        {"id": "b", "messages": [{"role": "user", "content": "Tom had a red ball."}]},
+    ]
+    params = {"backend": "hf", "batch_size": 4, "max_new_tokens": 12, "device": "cpu"}
+    # the partial file of a job killed after round 1: b finished, a after its first turn
+    shard = write_shard(tmp_path / "in.jsonl", samples)
+    partial = PartialFile(str(tmp_path / "out.jsonl.partial.jsonl"),
+                          _fingerprint(shard, stories_target, {**DEFAULTS, **params}))
+    b_done = {**samples[1], "messages": [samples[1]["messages"][0], {"role": "assistant", "content": "B DONE"}]}
+    a_half = Replay(samples[0])
+    a_half.next_prompt()
+    a_half.add_answer("SAVED ANSWER", True)
+    partial.start({1: {"sample": b_done, "truncated": False, "cut_at_tool": False}}, {0: a_half.state()})
+    partial.close()
+    out, report = run(tmp_path, samples, params, stories_target)
+    assert report["resumed"] == 1 and report["resumed_turns"] == 1 and report["ok"] == 2
+    a = out[0]["messages"]
+    assert a[1]["content"] == "SAVED ANSWER"  # kept, not regenerated
+    assert a[3]["content"] == reference_greedy(stories_target, a[:3], 12)  # the target answers after it
+    assert out[1]["messages"][1]["content"] == "B DONE"
+
+
 def test_partial_file_from_other_settings_is_ignored(tmp_path):
     samples = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
     with FakeOpenAIServer() as server:
@@ -247,6 +297,10 @@ def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target, monkeypa
     calls = []
     answer = HFBackend.answer
     monkeypatch.setattr(HFBackend, "answer", lambda self, prompts, seed: calls.append(len(prompts)) or answer(self, prompts, seed))
+    saved = []
+    progress = PartialFile.append_progress
+    monkeypatch.setattr(PartialFile, "append_progress",
+                        lambda self, i, replay: saved.append((i, replay.turns_done)) or progress(self, i, replay))
     samples = [
         {
             "id": "a",
@@ -273,8 +327,10 @@ def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target, monkeypa
     assert out[2]["messages"][1]["content"] == reference_greedy(stories_target, out[2]["messages"][:1], 24)
     # A 24-token budget stops (almost) every story mid-sentence: the count must say so.
     assert report["truncated"] >= 1
-    # Round 1 answers the three first turns (batches of 2), round 2 the one second turn.
+    # Round 1 answers the three first turns (batches of 2), round 2 the one second turn;
+    # the unfinished conversation's state after round 1 went to the partial file.
     assert calls == [2, 1, 1]
+    assert saved == [(0, 1)]
 
 
 def test_hf_backend_sampling_is_seeded(tmp_path, stories_target):
