@@ -21,7 +21,9 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +160,7 @@ class HiddenDataset:
         self.hidden_size = int(first["hidden_size"])
         self.layer_ids = list(first["layer_ids"])
         self._files: dict[int, object] = {}
+        self._lock = threading.Lock()
         self.samples: list[SampleRef] = []
         for i, path in enumerate(self.paths):
             with self._guard(path):
@@ -194,7 +197,8 @@ class HiddenDataset:
         return self._files[shard]
 
     def load(self, ref: SampleRef, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with self._guard(self.paths[ref.shard]):
+        # the training loop's prefetch thread and the main thread (validation) both read
+        with self._lock, self._guard(self.paths[ref.shard]):
             f = self._file(ref.shard)
             ids = f.get_slice("input_ids")[ref.start : ref.end]
             mask = f.get_slice("loss_mask")[ref.start : ref.end]
@@ -649,8 +653,13 @@ def train(
     greedy_cache: dict[int, torch.Tensor] = {}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
 
-    def make_batch(sample_ids: list[int]) -> PackedBatch:
-        batch = pack([data.load(data.samples[i], data_dtype) for i in sample_ids]).to(device)
+    def load_batch(sample_ids: list[int]) -> PackedBatch:
+        """Host side of a batch: read and pack (pinned on GPU runs); the prefetch thread runs it."""
+        batch = pack([data.load(data.samples[i], data_dtype) for i in sample_ids])
+        return batch.pin_memory() if cuda else batch
+
+    def make_batch(sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:
+        batch = (loaded if loaded is not None else load_batch(sample_ids)).to(device)
         if any(
             i not in greedy_cache for i in sample_ids
         ):  # target argmax over the full vocab: once per sample
@@ -696,9 +705,24 @@ def train(
     eval_every = p["eval_every"] or p["checkpoint_every"]
     tokens_seen, window_tokens, window_start = 0, 0, time.perf_counter()
     last = None
+
+    def micro_batches(step: int) -> list[list[int]]:
+        return plan[step][d.rank * p["grad_accum"] : (d.rank + 1) * p["grad_accum"]]
+
+    def load_step(step: int) -> list[PackedBatch]:
+        return [load_batch(b) for b in micro_batches(step)]
+
+    # One step ahead: the next step's batches are read and packed on the host while this one runs on
+    # the GPU (otherwise the GPU waits for the host every step).
+    # (its thread pins memory: on this rank's GPU, not on a context it would open on GPU 0)
+    prefetch = ThreadPoolExecutor(1, initializer=torch.cuda.set_device, initargs=(device,)) if cuda else ThreadPoolExecutor(1)
+    next_loaded = prefetch.submit(load_step, start_step) if start_step < total_steps else None
     for step in range(start_step, total_steps):
-        my_micro = plan[step][d.rank * p["grad_accum"] : (d.rank + 1) * p["grad_accum"]]
-        batches = [make_batch(b) for b in my_micro]
+        my_micro = micro_batches(step)
+        loaded = next_loaded.result()
+        if step + 1 < total_steps:
+            next_loaded = prefetch.submit(load_step, step + 1)
+        batches = [make_batch(b, pre) for b, pre in zip(my_micro, loaded, strict=True)]
         valids = [step_valid(b, p["ttt_steps"]) for b in batches]
         total_count = d.all_sum(sum(v.sum(1) for v in valids).float())
         sums = torch.zeros(3, p["ttt_steps"], device=device)
@@ -778,6 +802,7 @@ def train(
             for old in sorted(run_dir.glob("ckpt-*.safetensors"))[: -p["keep_checkpoints"]]:
                 old.unlink()
     bar.close()
+    prefetch.shutdown()
 
     summary = {
         "params_hash": run_hash,

@@ -21,7 +21,7 @@ tests/test_model_ttt.py checks them against a loop-by-loop implementation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,12 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def pin_memory(self) -> PackedBatch:
+        """Page-locked contiguous copies: their copy to the GPU (`to`) runs asynchronously."""
+        return PackedBatch(
+            *(None if (t := getattr(self, f.name)) is None else t.contiguous().pin_memory() for f in fields(self))
+        )
 
     def to(self, device, dtype=None) -> PackedBatch:
         def move(t, float_dtype=None):
