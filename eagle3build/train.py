@@ -746,9 +746,10 @@ def train(
         optimizer.zero_grad(set_to_none=True)
 
         real_tokens = sum(lengths[i] for b in my_micro for i in b)  # padding (compiled runs) not counted
-        step_tokens = d.all_sum(torch.tensor(float(real_tokens), device=device))
-        tokens_seen += int(step_tokens)
-        window_tokens += int(step_tokens)
+        # one process: no device tensor, so no wait for the GPU here (the host runs ahead into the next step)
+        step_tokens = real_tokens if d.world_size == 1 else int(d.all_sum(torch.tensor(float(real_tokens), device=device)))
+        tokens_seen += step_tokens
+        window_tokens += step_tokens
         bar.update(1)
         done = step + 1
         if done % p["log_every"] == 0 or done == total_steps:
