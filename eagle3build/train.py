@@ -654,21 +654,27 @@ def train(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
 
     def load_batch(sample_ids: list[int]) -> PackedBatch:
-        """Host side of a batch: read and pack (pinned on GPU runs); the prefetch thread runs it."""
+        """Host side of a batch (the prefetch thread runs it): read, pack, pad, pin on GPU runs.
+
+        Everything shaped here needs no GPU value, so making a batch never waits for the GPU.
+        """
         batch = pack([data.load(data.samples[i], data_dtype) for i in sample_ids])
+        if all(i in greedy_cache for i in sample_ids):  # after the first epoch: travels with the batch
+            batch.greedy_in_draft = torch.cat([greedy_cache[i] for i in sample_ids])
+        if compile_flex:  # compiled kernels are specialised to the length: a few length buckets
+            batch = pad_batch(batch, compile_length_multiple(p["batch_tokens"]))
         return batch.pin_memory() if cuda else batch
 
     def make_batch(sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:
         batch = (loaded if loaded is not None else load_batch(sample_ids)).to(device)
-        if any(
-            i not in greedy_cache for i in sample_ids
-        ):  # target argmax over the full vocab: once per sample
-            greedy = scorer.greedy_in_draft(batch.final).cpu()
+        if batch.greedy_in_draft is None:  # target argmax over the full vocab: once per sample
+            real = sum(lengths[i] for i in sample_ids)  # rows after these are padding
+            greedy = scorer.greedy_in_draft(batch.final[:real]).cpu()
             for i, part in zip(sample_ids, greedy.split([lengths[i] for i in sample_ids]), strict=True):
                 greedy_cache[i] = part
-        batch.greedy_in_draft = torch.cat([greedy_cache[i] for i in sample_ids]).to(device)
-        # compiled kernels are specialised to the length: bucket it so a run compiles a few shapes
-        return pad_batch(batch, compile_length_multiple(p["batch_tokens"])) if compile_flex else batch
+            padding = greedy.new_zeros(batch.num_tokens - real)
+            batch.greedy_in_draft = torch.cat([greedy, padding]).to(device)
+        return batch
 
     def evaluate() -> dict | None:
         if not val_idx:

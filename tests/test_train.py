@@ -340,3 +340,28 @@ def test_deterministic_on_cpu(inputs, tmp_path):
     wa, wb = load_file(str(out_a / "draft.safetensors")), load_file(str(out_b / "draft.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert os.path.getsize(out_a / "metrics.jsonl") > 0
+
+
+def test_compiled_runs_pad_batches_on_the_host_and_train_the_same(inputs, tmp_path, monkeypatch):
+    """A compiled run pads each batch to a length bucket while loading it: the padding adds no loss.
+
+    torch.compile is replaced by the identity, so this runs the compiled run's batch path on CPU fast.
+    """
+    from eagle3build import ttt
+
+    eager, out_e, _ = run(inputs, tmp_path / "eager", epochs=2)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(ttt, "_COMPILED", {})
+    monkeypatch.setattr(ttt, "_MERGE_COMPILED", None)
+    padded_lengths = []
+    to = ttt.PackedBatch.to
+    monkeypatch.setattr(ttt.PackedBatch, "to", lambda self, *a, **kw: padded_lengths.append(self.num_tokens) or to(self, *a, **kw))
+    compiled, out_c, _ = run(inputs, tmp_path / "compiled", epochs=2, compile=True)
+    assert padded_lengths and all(n % 1024 == 0 for n in padded_lengths)  # padded before the device copy
+
+    def losses(out):
+        return [(x["step"], x["split"], x["loss"]) for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+    for (step_e, split_e, loss_e), (step_c, split_c, loss_c) in zip(losses(out_e), losses(out_c), strict=True):
+        assert (step_e, split_e) == (step_c, split_c)
+        assert loss_c == pytest.approx(loss_e, rel=1e-4)
