@@ -167,14 +167,11 @@ class Replay:
         self.turns_done += 1
         self.truncated |= truncated
 
+    STATE_KEYS = ("context", "turns_done", "truncated", "ended_by_tool_call")
+
     def state(self) -> dict:
         """What a resume needs to continue this conversation after its last finished turn."""
-        return {
-            "context": self.context,
-            "turns_done": self.turns_done,
-            "truncated": self.truncated,
-            "ended_by_tool_call": self.ended_by_tool_call,
-        }
+        return {key: getattr(self, key) for key in self.STATE_KEYS}
 
     def restore(self, state: dict) -> Replay:
         self.context = list(state["context"])
@@ -380,7 +377,7 @@ class PartialFile:
                     done[index] = record["result"]
                 else:
                     state = record["progress"]
-                    progress[index] = {k: state[k] for k in ("context", "turns_done", "truncated", "ended_by_tool_call")}
+                    progress[index] = {k: state[k] for k in Replay.STATE_KEYS}
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue
         return done, {i: state for i, state in progress.items() if i not in done}
