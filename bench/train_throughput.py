@@ -50,6 +50,8 @@ PRESETS = {
     "llama8b": dict(
         hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000
     ),
+    # SmolLM2-135M-Instruct's layer shape with a 32k draft vocab (the quality benchmark's head)
+    "smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, draft_vocab=32000),
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128),
 }
 
