@@ -57,6 +57,15 @@ def train_files(data_dir: Path) -> dict[str, Path]:
     return files
 
 
+def _unpack(src: Path, dst: Path) -> None:
+    """Copy src (optionally .gz) to dst."""
+    import gzip
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    data = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
+    dst.write_bytes(data)
+
+
 def target_of(args) -> dict:
     return {"path": args.model, "revision": None, "trust_remote_code": False, "chat_template": args.chat_template,
             "dtype": "auto"}
@@ -106,6 +115,11 @@ def phase_data(args, work: Path) -> dict:
     # All files in one regeneration job: the HF backend runs one `generate` round per turn over the whole
     # job, so one job costs max(turns) rounds where a job per file would cost the sum over files.
     combined, regen_out = work / "regen-all" / "input.jsonl", work / "regen-all" / "output.jsonl"
+    if args.reuse_regenerated and not regen_out.exists():  # an earlier run's output (+ .report.json beside it)
+        _unpack(Path(args.reuse_regenerated), regen_out)
+        src_report = Path(str(args.reuse_regenerated).removesuffix(".gz") + ".report.json")
+        Path(str(regen_out) + ".report.json").write_text(src_report.read_text())
+        log(f"reusing the regenerated answers of {args.reuse_regenerated}")
     if not regen_out.exists():
         combined.parent.mkdir(parents=True, exist_ok=True)
         with open(combined, "w", encoding="utf-8") as f:
@@ -233,7 +247,7 @@ def phase_eval(args, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from eagle3build.acceptance import acceptance_for_sequence
-    from eagle3build.evaluate import read_questions, speculative_generate
+    from eagle3build.evaluate import evaluate_set, read_questions
     from eagle3build.export import load_exported
 
     device = args.device
@@ -247,6 +261,8 @@ def phase_eval(args, work: Path) -> dict:
            if t is not None]
     # 1. the target's greedy decodes (shared by every recipe and every k): cached under --work
     cache = work / "greedy.json"
+    if args.reuse_greedy and not cache.exists():  # an earlier run's decodes (same model, eval files, max_new_tokens)
+        _unpack(Path(args.reuse_greedy), cache)
     sequences = json.loads(cache.read_text()) if cache.exists() else {}
     t0 = time.perf_counter()
     for set_name, file in EVAL_SETS.items():
@@ -270,6 +286,7 @@ def phase_eval(args, work: Path) -> dict:
     log(f"greedy decodes ready ({greedy_s:.0f}s)")
     ks = list(range(1, 8))
     results = {"greedy_s": greedy_s, "recipes": {}}
+    model32 = None
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     for recipe in args.recipes:
         draft = load_exported(str(work / "runs" / recipe / "export" / "eagle3"), device=device, dtype=dtype,
@@ -294,22 +311,24 @@ def phase_eval(args, work: Path) -> dict:
                 cat: {str(k): {"tau": 1 + sum(r) / max(len(r), 1), "rounds": len(r),
                                "per_position": [sum(1 for a in r if a > i) / max(len(r), 1) for i in range(k)]}
                       for k, r in by_k.items()} for cat, by_k in cats.items()}
-        # Cross-check: the sequential speculative loop on the first few MT-Bench prompts gives the same rounds.
-        checked, agree = 0, 0
-        for s in sequences["mt_bench"][: args.crosscheck]:
-            if len(s["answer"]) < 2:
-                continue
-            tokens, accepts = speculative_generate(model, draft, s["prompt"], 3, len(s["answer"]), set(eos))
-            with torch.inference_mode():
-                out = model.model(input_ids=torch.tensor([s["prompt"] + s["answer"]], device=device),
-                                  output_hidden_states=True, use_cache=False)
-            aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
-            sim = acceptance_for_sequence(draft, torch.tensor(s["prompt"] + s["answer"], device=device), aux,
-                                          len(s["prompt"]), [3])[3]
-            checked += 1
-            agree += int(tokens == s["answer"] and sim == accepts)
+        # Cross-check in fp32 with the workflow's evaluate stage on the first MT-Bench questions (both turns):
+        # the sequential loop must emit the plain greedy decode and accept what the one-pass simulation
+        # predicts. (In bf16 a batched and an unbatched greedy decode part at near-ties, so a bf16 comparison
+        # with the batched decodes above cannot tell a bug from rounding.)
+        crosscheck = None
+        if args.crosscheck:
+            model32 = model32 or AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+            draft32 = load_exported(str(work / "runs" / recipe / "export" / "eagle3"), device=device,
+                                    dtype=torch.float32, target_path=args.model).eval()
+            questions = read_questions(str(Path(args.eval_data) / EVAL_SETS["mt_bench"]), args.crosscheck)
+            check = evaluate_set(model32, draft32, tokenizer, questions, [3], args.max_new_tokens, [3])
+            row = check["k"]["3"]
+            crosscheck = {"dtype": "float32", "k": 3, "questions": len(questions), "turns": check["turns"],
+                          "mismatches": row["mismatches"], "simulation_agrees": row["simulation_agrees"],
+                          "tau": row["mean_acceptance_length"], "speedup_hf_loop": row["speedup"]}
+            del draft32
         results["recipes"][recipe] = {"sets": per_set, "aux_layer_ids": aux_ids, "eval_s": time.perf_counter() - t0,
-                                      "crosscheck": {"prompts": checked, "identical": agree}}
+                                      "crosscheck": crosscheck}
         log(f"{recipe}: " + ", ".join(f"{n} tau@3={v['__all__']['3']['tau']:.2f} tau@7={v['__all__']['7']['tau']:.2f}"
                                       for n, v in per_set.items()))
         del draft
@@ -342,7 +361,10 @@ def main() -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the training step (pays off on long runs)")
     p.add_argument("--max-steps", type=int, default=None, help="cap on optimiser steps per recipe")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps; a killed training resumes from the last")
-    p.add_argument("--crosscheck", type=int, default=4)
+    p.add_argument("--reuse-regenerated", default=None,
+                   help="an earlier run's regen-all/output.jsonl[.gz] (its .report.json beside it): skip regenerating")
+    p.add_argument("--reuse-greedy", default=None, help="an earlier run's greedy.json[.gz]: skip the target's eval decodes")
+    p.add_argument("--crosscheck", type=int, default=4, help="MT-Bench questions run through the fp32 loop")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
