@@ -189,7 +189,8 @@ def phase_train(args, work: Path) -> dict:
     out = {}
     params = {"lr": args.lr, "epochs": args.epochs, "batch_tokens": args.train_batch_tokens, "ttt_steps": 7,
               "checkpoint_every": args.checkpoint_every, "log_every": 50, "val_fraction": 0.02, "seed": 0,
-              "compile": args.compile, "max_steps": args.max_steps}
+              "compile": args.compile, "max_steps": args.max_steps,
+              "norm_before_residual": args.norm_before_residual}
     for recipe in args.recipes:
         variant, layers = RECIPES[recipe]
         hidden = sorted(str(p) for p in (work / f"hidden-{variant}-{layers}").rglob("*.safetensors"))
@@ -359,6 +360,8 @@ def main() -> int:
     p.add_argument("--train-batch-tokens", type=int, default=16384)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES))
     p.add_argument("--compile", action="store_true", help="torch.compile the training step (pays off on long runs)")
+    p.add_argument("--norm-before-residual", action="store_true",
+                   help="the draft layer's residual is the normed fused state (speculators' default; vLLM reads it)")
     p.add_argument("--max-steps", type=int, default=None, help="cap on optimiser steps per recipe")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps; a killed training resumes from the last")
     p.add_argument("--reuse-regenerated", default=None,
