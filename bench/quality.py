@@ -58,12 +58,15 @@ def train_files(data_dir: Path) -> dict[str, Path]:
 
 
 def _unpack(src: Path, dst: Path) -> None:
-    """Copy src (optionally .gz) to dst."""
+    """Copy src (optionally .gz) to dst, atomically (a killed copy leaves no dst)."""
     import gzip
+
+    from eagle3build.atomic import atomic_path
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     data = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
-    dst.write_bytes(data)
+    with atomic_path(dst) as tmp:
+        Path(tmp).write_bytes(data)
 
 
 def target_of(args) -> dict:
@@ -116,9 +119,9 @@ def phase_data(args, work: Path) -> dict:
     # job, so one job costs max(turns) rounds where a job per file would cost the sum over files.
     combined, regen_out = work / "regen-all" / "input.jsonl", work / "regen-all" / "output.jsonl"
     if args.reuse_regenerated and not regen_out.exists():  # an earlier run's output (+ .report.json beside it)
-        _unpack(Path(args.reuse_regenerated), regen_out)
         src_report = Path(str(args.reuse_regenerated).removesuffix(".gz") + ".report.json")
-        Path(str(regen_out) + ".report.json").write_text(src_report.read_text())
+        _unpack(src_report, Path(str(regen_out) + ".report.json"))  # first: the output marks completion
+        _unpack(Path(args.reuse_regenerated), regen_out)
         log(f"reusing the regenerated answers of {args.reuse_regenerated}")
     if not regen_out.exists():
         combined.parent.mkdir(parents=True, exist_ok=True)
