@@ -98,20 +98,11 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None) -
     return timed(cmd, wd), 4 * shards + 4
 
 
-def bare_dry_run(work: Path, jobs: int) -> float:
-    wd = work / f"bare-{jobs}"
+def snakefile_dry_run(wd: Path, snakefile: str, config: str) -> float:
+    """Dry-run time of a bare workflow in `wd` (timed after one warm-up run)."""
     wd.mkdir()
-    (wd / "Snakefile").write_text(BARE)
-    cmd = [sys.executable, "-m", "snakemake", "--config", f"njobs={jobs - 1}", "--cores", "2", "-n", "--quiet", "all"]
-    timed(cmd, wd)
-    return timed(cmd, wd)
-
-
-def bare_chain_dry_run(work: Path, shards: int) -> float:
-    wd = work / f"chain-{shards}"
-    wd.mkdir()
-    (wd / "Snakefile").write_text(BARE_CHAIN)
-    cmd = [sys.executable, "-m", "snakemake", "--config", f"shards={shards}", "--cores", "2", "-n", "--quiet", "all"]
+    (wd / "Snakefile").write_text(snakefile)
+    cmd = [sys.executable, "-m", "snakemake", "--config", config, "--cores", "2", "-n", "--quiet", "all"]
     timed(cmd, wd)
     return timed(cmd, wd)
 
@@ -135,8 +126,8 @@ def main() -> int:
             for r in range(args.repeats):  # interleaved: this VM's speed drifts between runs
                 t, jobs = project_dry_run(work / f"r{r}", shards, args.model, args.template)
                 proj.append(t)
-                bare.append(bare_dry_run(work / f"r{r}", jobs))
-                chain.append(bare_chain_dry_run(work / f"r{r}", shards))
+                bare.append(snakefile_dry_run(work / f"r{r}" / f"bare-{jobs}", BARE, f"njobs={jobs - 1}"))
+                chain.append(snakefile_dry_run(work / f"r{r}" / f"chain-{shards}", BARE_CHAIN, f"shards={shards}"))
             row = {"shards": shards, "jobs": jobs, "project_s": min(proj), "bare_s": min(bare),
                    "bare_chain_s": min(chain), "ratio": min(proj) / min(bare),
                    "ratio_vs_bare_chain": min(proj) / min(chain)}

@@ -268,9 +268,12 @@ class HFBackend:
         replays = dict(replays)
         round_no = 0
         while replays:
-            waiting = [(i, r) for i, r in replays.items() if r.next_prompt() is not None]
-            for index in [i for i, r in replays.items() if r.next_prompt() is None]:
-                yield index, replays.pop(index)  # finished conversations reach the partial file now
+            waiting = []
+            for index, replay in list(replays.items()):
+                if replay.next_prompt() is None:
+                    yield index, replays.pop(index)  # finished conversations reach the partial file now
+                else:
+                    waiting.append((index, replay))
             prompts = [self.encode(r.next_prompt(), r.tools) for _, r in waiting]
             for batch_no, rows in enumerate(self.batches([len(p) for p in prompts])):
                 seed = int(self.params["seed"]) + 100_003 * round_no + batch_no

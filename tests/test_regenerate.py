@@ -172,7 +172,7 @@ def test_resume_continues_a_conversation_at_its_first_unfinished_turn(tmp_path):
 
 
 def test_hf_backend_resumes_mid_conversation(tmp_path, stories_target):
-    from eagle3build.regenerate import DEFAULTS, PartialFile, Replay, _fingerprint
+    from eagle3build.regenerate import DEFAULTS, Replay, _fingerprint
 
     samples = [
         {"id": "a", "messages": [{"role": "user", "content": "Once upon a time there was a cat."},
