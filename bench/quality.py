@@ -83,6 +83,40 @@ def _tokenize(job):
     return out
 
 
+def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> list[str]:
+    """More on-policy data for recipes (a) and (b): --sampled-passes answers per prompt, sampled at
+    --sample-temperature, to the first user turn of every conversation (one `generate` round per batch, so a
+    pass costs about what one turn of the greedy pass did). The training targets are the target's own
+    distributions at every position, so a sampled context is as exact a training example as a greedy one."""
+    from eagle3build.regenerate import regenerate_shard
+
+    out = work / "sampled" / "output.jsonl"
+    if args.reuse_sampled and not out.exists():
+        _unpack(Path(str(args.reuse_sampled).removesuffix(".gz") + ".report.json"), Path(str(out) + ".report.json"))
+        _unpack(Path(args.reuse_sampled), out)
+    if not out.exists():
+        t0 = time.perf_counter()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / "input.jsonl", "w", encoding="utf-8") as f:
+            for n in range(args.sampled_passes):
+                for line in greedy_lines:
+                    rec = json.loads(line)
+                    first_user = next((i for i, m in enumerate(rec["messages"]) if m["role"] == "user"), None)
+                    if first_user is None:
+                        continue
+                    rec["messages"] = rec["messages"][:first_user + 1]
+                    rec["id"] = f"{rec['id']}:sampled{n}"
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        params = {"backend": "hf", "temperature": args.sample_temperature, "top_p": args.sample_top_p,
+                  "max_new_tokens": args.max_new_tokens, "batch_size": args.gen_batch,
+                  "batch_tokens": args.gen_batch_tokens, "device": args.device, "seed": 1}
+        regenerate_shard(str(out.parent / "input.jsonl"), str(out), str(out) + ".report.json", target_of(args), params)
+        stats["sampled_s"] = time.perf_counter() - t0
+        log(f"sampled {args.sampled_passes} answers per prompt in {stats['sampled_s']:.0f}s")
+    stats["sampled_report"] = json.loads(Path(str(out) + ".report.json").read_text())
+    return out.read_text(encoding="utf-8").splitlines(keepends=True)
+
+
 def phase_data(args, work: Path) -> dict:
     import torch
 
@@ -134,6 +168,8 @@ def phase_data(args, work: Path) -> dict:
         log(f"regenerated {len(convs['regen'])} shards in {time.perf_counter() - t0:.0f}s: {counts}")
     stats["regenerate_report"] = json.loads(Path(str(regen_out) + ".report.json").read_text())
     lines = regen_out.read_text(encoding="utf-8").splitlines(keepends=True)
+    if args.sampled_passes:
+        lines += sampled_answers(args, work, lines, stats)
     parts = max(1, math.ceil(len(lines) / args.shard_size))
     regen_outs = []
     for i in range(parts):  # back into shards, so tokenizing and extracting run in parallel
@@ -370,6 +406,11 @@ def main() -> int:
     p.add_argument("--reuse-regenerated", default=None,
                    help="an earlier run's regen-all/output.jsonl[.gz] (its .report.json beside it): skip regenerating")
     p.add_argument("--reuse-greedy", default=None, help="an earlier run's greedy.json[.gz]: skip the target's eval decodes")
+    p.add_argument("--sampled-passes", type=int, default=0,
+                   help="extra answers per prompt (first user turn) sampled by the target, for recipes (a) and (b)")
+    p.add_argument("--sample-temperature", type=float, default=0.7)
+    p.add_argument("--sample-top-p", type=float, default=0.95)
+    p.add_argument("--reuse-sampled", default=None, help="an earlier run's sampled/output.jsonl[.gz]")
     p.add_argument("--crosscheck", type=int, default=4, help="MT-Bench questions run through the fp32 loop")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)

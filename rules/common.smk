@@ -47,6 +47,25 @@ def _shard_count(ds):
     return max(1, math.ceil(n / config["prepare"]["shard_size"]))
 
 
+REGEN_SAMPLING_KEYS = (
+    "backend",
+    "model",
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "seed",
+    "drop_truncated",
+)
+
+
+def regen_sampling(ds):
+    """A regenerating dataset's settings: `regenerate`'s, with the dataset's own overrides on top."""
+    if not ds["regenerate"]:
+        return None
+    own = ds["regenerate"] if isinstance(ds["regenerate"], dict) else {}
+    return {k: own.get(k, config["regenerate"][k]) for k in REGEN_SAMPLING_KEYS}
+
+
 DATASETS = {}
 for _i, _ds in enumerate(config["datasets"]):
     if _ds["name"] in DATASETS:
@@ -58,6 +77,7 @@ for _i, _ds in enumerate(config["datasets"]):
         **_ds,
         "index": _i,
         "shards": [f"{s:05d}" for s in range(_shard_count(_ds))],
+        "regen_sampling": regen_sampling(_ds),
     }
 
 

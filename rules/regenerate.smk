@@ -14,18 +14,7 @@ rule regenerate:
         gpu=lambda wc: 0 if config["regenerate"]["backend"] == "openai" else 1,
     params:
         target=TARGET,
-        sampling={
-            k: config["regenerate"][k]
-            for k in (
-                "backend",
-                "model",
-                "temperature",
-                "top_p",
-                "max_new_tokens",
-                "seed",
-                "drop_truncated",
-            )
-        },
+        sampling=lambda wc: DATASETS[wc.ds]["regen_sampling"],  # per dataset: a change reruns only its own
         version=FORMAT_VERSIONS["regenerate"],
     script:
         "../scripts/regenerate.py"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import STORIES
-from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
+from workflow_util import copy_workflow, planned_jobs, planned_outputs, snakemake, write_config
 
 from eagle3build.extract import stop_servers
 
@@ -106,3 +106,17 @@ def test_rerun_plans_nothing_and_a_sampling_change_reruns_regeneration(chain):
     write_config(chain, cfg, "config.changed.yaml")
     jobs = planned_jobs(chain, config="config.changed.yaml")
     assert jobs.get("regenerate") == 2 and "split" not in jobs
+
+
+def test_a_dataset_listed_again_with_its_own_sampling_regenerates_only_itself(chain):
+    cfg = chain_config()
+    cfg["datasets"][0]["regenerate"] = {"temperature": 0.0, "seed": 0}  # the global settings, spelled out
+    write_config(chain, cfg, "config.same.yaml")
+    assert planned_jobs(chain, config="config.same.yaml") == {}
+    # More answers per prompt: the same file again, sampled. Only the new dataset's shards regenerate.
+    cfg["datasets"].append({**cfg["datasets"][0], "name": "demo_sampled", "regenerate": {"temperature": 0.7, "seed": 1}})
+    write_config(chain, cfg, "config.sampled.yaml")
+    jobs = planned_jobs(chain, config="config.sampled.yaml")
+    assert jobs["split"] == jobs["regenerate"] == jobs["extract"] == 2 and jobs["train"] == 1, jobs  # its 2 shards
+    outs = planned_outputs(chain, "regenerate", config="config.sampled.yaml")
+    assert outs and all("/regen/demo_sampled/" in o for o in outs), outs

@@ -51,6 +51,15 @@ def test_wrong_type_or_unknown_key_names_the_key(tmp_path, over, key):
         assert "shard_sise" in str(e.value) or "bogus" in str(e.value)  # the unknown key itself is named
 
 
+@pytest.mark.parametrize("regenerate", [{"temperatur": 0.7}, {"temperature": -1}, "yes"])
+def test_a_bad_per_dataset_regenerate_names_the_dataset_key(tmp_path, regenerate):
+    cfg = minimal(tmp_path)
+    cfg["datasets"][0]["regenerate"] = regenerate
+    with pytest.raises(ConfigError) as e:
+        check(tmp_path, cfg)
+    assert "datasets" in str(e.value) and "regenerate" in str(e.value), str(e.value)
+
+
 def test_defaults_fill_in(tmp_path):
     path = tmp_path / "c.yaml"
     import yaml

@@ -62,7 +62,7 @@ def planned_jobs(workdir: Path, *targets: str, config: str = "config.test.yaml")
 
 def planned_outputs(workdir: Path, rule: str, config: str = "config.test.yaml") -> list[str]:
     """The output files of the jobs of `rule` that a dry-run plans."""
-    proc = snakemake(workdir, "-n", "--quiet", "rules", config=config)
+    proc = snakemake(workdir, "-n", config=config)
     text = proc.stdout + proc.stderr
     outs = []
     for block in re.split(r"\n(?=\[|rule |localrule )", text):
