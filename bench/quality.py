@@ -88,33 +88,48 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
     --sample-temperature, to the first user turn of every conversation (one `generate` round per batch, so a
     pass costs about what one turn of the greedy pass did). The training targets are the target's own
     distributions at every position, so a sampled context is as exact a training example as a greedy one."""
+    import re
+
     from eagle3build.regenerate import regenerate_shard
 
-    out = work / "sampled" / "output.jsonl"
-    if args.reuse_sampled and not out.exists():
-        _unpack(Path(str(args.reuse_sampled).removesuffix(".gz") + ".report.json"), Path(str(out) + ".report.json"))
-        _unpack(Path(args.reuse_sampled), out)
-    if not out.exists():
-        t0 = time.perf_counter()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out.parent / "input.jsonl", "w", encoding="utf-8") as f:
-            for n in range(args.sampled_passes):
-                for line in greedy_lines:
-                    rec = json.loads(line)
-                    first_user = next((i for i, m in enumerate(rec["messages"]) if m["role"] == "user"), None)
-                    if first_user is None:
-                        continue
-                    rec["messages"] = rec["messages"][:first_user + 1]
-                    rec["id"] = f"{rec['id']}:sampled{n}"
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        params = {"backend": "hf", "temperature": args.sample_temperature, "top_p": args.sample_top_p,
-                  "max_new_tokens": args.max_new_tokens, "batch_size": args.gen_batch,
-                  "batch_tokens": args.gen_batch_tokens, "device": args.device, "seed": 1}
-        regenerate_shard(str(out.parent / "input.jsonl"), str(out), str(out) + ".report.json", target_of(args), params)
-        stats["sampled_s"] = time.perf_counter() - t0
-        log(f"sampled {args.sampled_passes} answers per prompt in {stats['sampled_s']:.0f}s")
-    stats["sampled_report"] = json.loads(Path(str(out) + ".report.json").read_text())
-    return out.read_text(encoding="utf-8").splitlines(keepends=True)
+    def pass_of(line: str) -> int:
+        return int(re.fullmatch(r".*:sampled(\d+)", json.loads(line)["id"]).group(1))
+
+    files = []
+    for i, src in enumerate(args.reuse_sampled or []):  # earlier runs' passes (ids end in ":sampled<pass>")
+        dst = work / "sampled" / f"reused{i}" / "output.jsonl"
+        if not dst.exists():
+            _unpack(Path(str(src).removesuffix(".gz") + ".report.json"), Path(str(dst) + ".report.json"))
+            _unpack(Path(src), dst)
+        files.append(dst)
+    present = {pass_of(line) for f in files for line in f.read_text(encoding="utf-8").splitlines()}
+    missing = [n for n in range(args.sampled_passes) if n not in present]
+    if missing:  # the passes no earlier run made, as one job (its own seed, so its samples differ from theirs)
+        out = work / "sampled" / f"p{missing[0]}-{missing[-1]}" / "output.jsonl"
+        if not out.exists():
+            t0 = time.perf_counter()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out.parent / "input.jsonl", "w", encoding="utf-8") as f:
+                for n in missing:
+                    for line in greedy_lines:
+                        rec = json.loads(line)
+                        first_user = next((i for i, m in enumerate(rec["messages"]) if m["role"] == "user"), None)
+                        if first_user is None:
+                            continue
+                        rec["messages"] = rec["messages"][:first_user + 1]
+                        rec["id"] = f"{rec['id']}:sampled{n}"
+                        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            params = {"backend": "hf", "temperature": args.sample_temperature, "top_p": args.sample_top_p,
+                      "max_new_tokens": args.max_new_tokens, "batch_size": args.gen_batch,
+                      "batch_tokens": args.gen_batch_tokens, "device": args.device, "seed": 1 + 1000 * missing[0]}
+            regenerate_shard(str(out.parent / "input.jsonl"), str(out), str(out) + ".report.json", target_of(args),
+                             params)
+            stats["sampled_s"] = time.perf_counter() - t0
+            log(f"sampled passes {missing} in {stats['sampled_s']:.0f}s")
+        files.append(out)
+    stats["sampled_reports"] = [json.loads(Path(str(f) + ".report.json").read_text()) for f in files]
+    return [line for f in files for line in f.read_text(encoding="utf-8").splitlines(keepends=True)
+            if pass_of(line) < args.sampled_passes]
 
 
 def phase_data(args, work: Path) -> dict:
@@ -410,7 +425,8 @@ def main() -> int:
                    help="extra answers per prompt (first user turn) sampled by the target, for recipes (a) and (b)")
     p.add_argument("--sample-temperature", type=float, default=0.7)
     p.add_argument("--sample-top-p", type=float, default=0.95)
-    p.add_argument("--reuse-sampled", default=None, help="an earlier run's sampled/output.jsonl[.gz]")
+    p.add_argument("--reuse-sampled", nargs="+", default=None,
+                   help="earlier runs' sampled answers (output.jsonl[.gz], .report.json beside): only missing passes run")
     p.add_argument("--crosscheck", type=int, default=4, help="MT-Bench questions run through the fp32 loop")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)
