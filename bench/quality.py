@@ -69,6 +69,13 @@ def _unpack(src: Path, dst: Path) -> None:
         Path(tmp).write_bytes(data)
 
 
+def _reuse(src: str, dst: Path) -> None:
+    """An earlier run's stage output (optionally .gz, its .report.json beside it) as this run's `dst`.
+    The report is copied first: the output marks completion."""
+    _unpack(Path(str(src).removesuffix(".gz") + ".report.json"), Path(str(dst) + ".report.json"))
+    _unpack(Path(src), dst)
+
+
 def target_of(args) -> dict:
     return {"path": args.model, "revision": None, "trust_remote_code": False, "chat_template": args.chat_template,
             "dtype": "auto"}
@@ -95,14 +102,17 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
     def pass_of(line: str) -> int:
         return int(re.fullmatch(r".*:sampled(\d+)", json.loads(line)["id"]).group(1))
 
-    files = []
+    def read(path: Path) -> list[tuple[int, str]]:
+        return [(pass_of(line), line) for line in path.read_text(encoding="utf-8").splitlines(keepends=True)]
+
+    files, answers = [], []
     for i, src in enumerate(args.reuse_sampled or []):  # earlier runs' passes (ids end in ":sampled<pass>")
         dst = work / "sampled" / f"reused{i}" / "output.jsonl"
         if not dst.exists():
-            _unpack(Path(str(src).removesuffix(".gz") + ".report.json"), Path(str(dst) + ".report.json"))
-            _unpack(Path(src), dst)
+            _reuse(src, dst)
         files.append(dst)
-    present = {pass_of(line) for f in files for line in f.read_text(encoding="utf-8").splitlines()}
+        answers += read(dst)
+    present = {n for n, _ in answers}
     missing = [n for n in range(args.sampled_passes) if n not in present]
     if missing:  # the passes no earlier run made, as one job (its own seed, so its samples differ from theirs)
         out = work / "sampled" / f"p{missing[0]}-{missing[-1]}" / "output.jsonl"
@@ -127,9 +137,9 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
             stats["sampled_s"] = time.perf_counter() - t0
             log(f"sampled passes {missing} in {stats['sampled_s']:.0f}s")
         files.append(out)
+        answers += read(out)
     stats["sampled_reports"] = [json.loads(Path(str(f) + ".report.json").read_text()) for f in files]
-    return [line for f in files for line in f.read_text(encoding="utf-8").splitlines(keepends=True)
-            if pass_of(line) < args.sampled_passes]
+    return [line for n, line in answers if n < args.sampled_passes]
 
 
 def phase_data(args, work: Path) -> dict:
@@ -168,9 +178,7 @@ def phase_data(args, work: Path) -> dict:
     # job, so one job costs max(turns) rounds where a job per file would cost the sum over files.
     combined, regen_out = work / "regen-all" / "input.jsonl", work / "regen-all" / "output.jsonl"
     if args.reuse_regenerated and not regen_out.exists():  # an earlier run's output (+ .report.json beside it)
-        src_report = Path(str(args.reuse_regenerated).removesuffix(".gz") + ".report.json")
-        _unpack(src_report, Path(str(regen_out) + ".report.json"))  # first: the output marks completion
-        _unpack(Path(args.reuse_regenerated), regen_out)
+        _reuse(args.reuse_regenerated, regen_out)
         log(f"reusing the regenerated answers of {args.reuse_regenerated}")
     if not regen_out.exists():
         combined.parent.mkdir(parents=True, exist_ok=True)
