@@ -16,6 +16,8 @@ pass (eagle3build.acceptance, exact for greedy chain decoding), and a sample of 
 through the sequential speculative loop (eagle3build.evaluate) as a cross-check.
 
 Phases keep their results under --work, so a machine that stays up can run them as separate calls.
+A recipe's hidden states are extracted when its training starts (several sampled passes make one layer set
+tens of GB: a driver can free each recipe's states once it is trained).
 The same stage functions as the Snakemake workflow are called directly (the GPU image has no Snakemake).
 """
 
@@ -143,10 +145,6 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
 
 
 def phase_data(args, work: Path) -> dict:
-    import torch
-
-    from eagle3build.config import default_aux_layer_ids
-    from eagle3build.extract import Extractor
     from eagle3build.formats import count_records
     from eagle3build.prepare import split_dataset
     from eagle3build.regenerate import regenerate_shard
@@ -211,22 +209,7 @@ def phase_data(args, work: Path) -> dict:
     with ProcessPoolExecutor(args.workers) as pool:
         tokens = {v: list(pool.map(_tokenize, jobs[v])) for v in jobs}
     stats["tokenize_s"] = time.perf_counter() - t0
-    cfg = json.loads((Path(args.model) / "config.json").read_text())
-    n_layers, vocab_size = cfg["num_hidden_layers"], cfg["vocab_size"]
-    layer_sets = {"aux": default_aux_layer_ids(n_layers), "final": [n_layers - 1] * 3}
-    for variant, layers in (("regen", "aux"), ("regen", "final"), ("orig", "aux")):
-        ex = Extractor(args.model, layer_sets[layers], args.device, "auto")
-        t0, ntok = time.perf_counter(), 0
-        for tok in tokens[variant]:
-            out = tok.replace(f"/tokens-{variant}/", f"/hidden-{variant}-{layers}/")
-            if not Path(out).exists():
-                ntok += ex.extract_shard(tok, out, "bf16", args.batch_tokens, progress=False)["tokens"]
-        dt = time.perf_counter() - t0
-        stats[f"extract_{variant}_{layers}"] = {"tokens": ntok, "seconds": dt, "tokens_per_s": ntok / max(dt, 1e-9)}
-        log(f"extracted {variant}/{layers}: {ntok} tokens in {dt:.1f}s")
-        del ex
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     for variant in ("regen", "orig"):
         counts = []
         for tok in tokens[variant]:
@@ -244,6 +227,32 @@ def phase_data(args, work: Path) -> dict:
     return stats
 
 
+def extract_hidden(args, work: Path, variant: str, layers: str) -> dict:
+    """The recipe's hidden states, extracted when its training starts rather than in the data phase: the
+    regenerated data of several sampled passes takes ~46 GB per layer set, and the device's disk holds one set
+    at a time (the driver frees a recipe's states once it is trained)."""
+    import torch
+
+    from eagle3build.config import default_aux_layer_ids
+    from eagle3build.extract import Extractor
+
+    n_layers = json.loads((Path(args.model) / "config.json").read_text())["num_hidden_layers"]
+    layer_ids = {"aux": default_aux_layer_ids(n_layers), "final": [n_layers - 1] * 3}[layers]
+    tokens = sorted(str(p) for p in (work / f"tokens-{variant}").rglob("*.safetensors"))
+    ex = Extractor(args.model, layer_ids, args.device, "auto")
+    t0, ntok = time.perf_counter(), 0
+    for tok in tokens:
+        out = tok.replace(f"/tokens-{variant}/", f"/hidden-{variant}-{layers}/")
+        if not Path(out).exists():
+            ntok += ex.extract_shard(tok, out, "bf16", args.batch_tokens, progress=False)["tokens"]
+    dt = time.perf_counter() - t0
+    log(f"extracted {variant}/{layers}: {ntok} tokens in {dt:.1f}s")
+    del ex
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"layers": layer_ids, "tokens": ntok, "seconds": dt, "tokens_per_s": ntok / max(dt, 1e-9)}
+
+
 def phase_train(args, work: Path) -> dict:
     from eagle3build.export import export
     from eagle3build.train import train
@@ -255,15 +264,17 @@ def phase_train(args, work: Path) -> dict:
               "norm_before_residual": args.norm_before_residual}
     for recipe in args.recipes:
         variant, layers = RECIPES[recipe]
-        hidden = sorted(str(p) for p in (work / f"hidden-{variant}-{layers}").rglob("*.safetensors"))
         run = work / "runs" / recipe
-        if not (run / "export" / "eagle3" / "config.json").exists():
+        if not (run / "train-summary.json").exists():
+            extracted = extract_hidden(args, work, variant, layers)
+            hidden = sorted(str(p) for p in (work / f"hidden-{variant}-{layers}").rglob("*.safetensors"))
             t0 = time.perf_counter()
             summary = train(hidden, str(work / f"mapping-{variant}.safetensors"), args.model, str(run / "train"),
                             str(run / "state"), params)
             export(str(run / "train" / "draft.safetensors"), str(work / f"mapping-{variant}.safetensors"), args.model,
                    str(run / "export"), {})
             summary["train_s"] = time.perf_counter() - t0
+            summary["extract"] = extracted
             (run / "train-summary.json").write_text(json.dumps(summary, indent=2, default=str))
             log(f"trained {recipe} in {summary['train_s']:.0f}s")
         out[recipe] = json.loads((run / "train-summary.json").read_text())
