@@ -114,6 +114,9 @@ class FusedWeights:
 
     qkv: torch.Tensor  # [(nh + 2 * nkv) * hd, 2H]: q_proj; k_proj; v_proj
     gate_up: torch.Tensor  # [2I, H]: gate_proj; up_proj
+    o: torch.Tensor  # o_proj
+    down: torch.Tensor  # down_proj
+    lm_head: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -233,21 +236,30 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def fused_weights(self, dtype: torch.dtype | None = None) -> FusedWeights:
-        """The q/k/v and gate/up weights concatenated, optionally cast once (e.g. to the autocast dtype).
+        """The projection weights for a training step: q/k/v and gate/up concatenated, all optionally
+        cast once (e.g. to the autocast dtype).
 
         One wide matmul instead of three (two) runs closer to the GPU's matrix rate, in the forward and
-        in the backward. Gradients flow back through the concatenation into the named parameters, so
-        the checkpoint layout is unchanged. Build it once per training step and pass it to
-        `qkv`/`finish` for every TTT step.
+        in the backward. Casting once per step rather than per use (autocast casts inside every call of
+        a compiled region) saves, per TTT step, a cast of each weight and the fp32 accumulation of its
+        gradient: the uses' gradients add up in the low dtype and are cast back once. Gradients flow
+        back into the named parameters, so the checkpoint layout is unchanged. Build it once per
+        training step and pass it to `qkv`/`finish`/`logits` for every TTT step.
         """
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
 
+        def cast(w):
+            return w if dtype is None else w.to(dtype)
+
         def cat(*weights):
-            return torch.cat([w if dtype is None else w.to(dtype) for w in weights])
+            return torch.cat([cast(w) for w in weights])
 
         return FusedWeights(
             cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
             cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+            cast(attn.o_proj.weight),
+            cast(mlp.down_proj.weight),
+            cast(self.lm_head.weight),
         )
 
     def qkv(
@@ -284,16 +296,17 @@ class Eagle3Draft(nn.Module):
         """attn_out [B, nh, T, hd] -> the layer's pre-norm output [B, T, H]."""
         B, _, T, _ = attn_out.shape
         layer = self.midlayer
-        h = residual + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(B, T, -1))
-        post = layer.post_attention_layernorm(h)
+        attn_out = attn_out.transpose(1, 2).reshape(B, T, -1)
         if fused is None:
-            return h + layer.mlp(post)
-        gate, up = F.linear(post, fused.gate_up).chunk(2, dim=-1)
-        return h + layer.mlp.down_proj(F.silu(gate) * up)
+            h = residual + layer.self_attn.o_proj(attn_out)
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = residual + F.linear(attn_out, fused.o)
+        gate, up = F.linear(layer.post_attention_layernorm(h), fused.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, fused.down)
 
-    def logits(self, pre_norm_out: torch.Tensor) -> torch.Tensor:
+    def logits(self, pre_norm_out: torch.Tensor, fused: FusedWeights | None = None) -> torch.Tensor:
         """[..., H] -> draft-vocab logits [..., K]."""
-        return self.lm_head(self.norm(pre_norm_out))
+        return F.linear(self.norm(pre_norm_out), self.lm_head.weight if fused is None else fused.lm_head)
 
     # ------------------------------------------------------------------ inference
     def layer(

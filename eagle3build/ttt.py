@@ -352,14 +352,14 @@ def step_valid(batch: PackedBatch, steps: int) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.bool)
 
 
-def soft_cross_entropy(model: Eagle3Draft, hidden, target_probs, target_argmax, weight):
+def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_argmax, weight):
     """Weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target argmax, weight.
 
     hidden [N, H] (pre-norm); target_probs fp32 [N, K]; target_argmax [N]; weight [N] in {0, 1}.
     Every row is computed and unweighted rows are zeroed rather than gathered out, so the shapes are
     static and the step never waits on the host.
     """
-    logits = model.logits(hidden)
+    logits = model.logits(hidden, fused)
     logp = torch.log_softmax(logits.float(), dim=-1)
     loss_sum = -(weight * (target_probs * logp).sum(-1)).sum()
     correct = (weight * (logits.argmax(-1) == target_argmax)).sum()
@@ -430,7 +430,7 @@ def ttt_forward(
         hidden_at_target = F.pad(hidden[0, :rows], (0, 0, n - rows, 0))
         weight_at_target = F.pad(weights[s, :rows], (n - rows, 0))
         loss_sum, correct, count = loss_fn(
-            model, hidden_at_target, target_probs, target_argmax, weight_at_target
+            model, fused, hidden_at_target, target_probs, target_argmax, weight_at_target
         )
         loss_sums.append(loss_sum)
         corrects.append(correct)

@@ -65,25 +65,42 @@ def test_fused_projections_equal_the_named_ones():
     a = model.finish(attn_out, hidden)
     b = model.finish(attn_out, hidden, fused)
     assert torch.allclose(a, b, atol=1e-6)
+    assert torch.allclose(model.logits(b), model.logits(b, fused), atol=1e-6)
     # gradients reach the named parameters (the export layout) through the concatenation
-    b.sum().backward()
+    model.logits(b, fused).sum().backward()
     assert model.midlayer.mlp.up_proj.weight.grad is not None
     assert model.midlayer.mlp.up_proj.weight.grad.abs().sum() > 0
 
 
-def test_padding_a_batch_changes_no_loss_or_count():
-    """Compiled runs pad batches to a bucketed length: the dummy sample must carry nothing."""
-    from test_model_ttt import random_samples, tiny_draft
+def test_weights_cast_once_per_step_give_the_named_weights_their_gradients():
+    """Under autocast, fused_weights(dtype) casts every projection once for all TTT steps instead of once
+    per use; each use's gradient adds up in that dtype and reaches the fp32 parameter: the same
+    gradients as casting per use, to the dtype's rounding."""
+    from eagle3build.model import DraftConfig, Eagle3Draft
 
-    from eagle3build.ttt import MathMergedAttention, pack, pad_batch, ttt_forward
+    c = DraftConfig(32, 4, 2, 8, 48, 1e-5, 10000.0, 64, 50, 20, 32, [1, 2, 3])
+    torch.manual_seed(0)
+    model = Eagle3Draft(c)
+    ids, aux, pos = torch.randint(0, 50, (1, 7)), torch.randn(1, 7, 96), torch.arange(7)[None]
+    attn_out = torch.randn(1, 4, 7, 8)
 
-    model, _, scorer = tiny_draft()
-    batch = pack(random_samples([7, 5, 9], seed=4))
-    batch.greedy_in_draft = scorer.greedy_in_draft(batch.final)
-    padded = pad_batch(batch, 16)
-    assert padded.num_tokens == 32 and int(padded.doc[-1]) == 3
-    plain = ttt_forward(model, batch, scorer.draft_probs(batch.final), 3, MathMergedAttention())
-    pad = ttt_forward(model, padded, scorer.draft_probs(padded.final), 3, MathMergedAttention())
-    assert torch.allclose(plain.loss_sum, pad.loss_sum, atol=1e-5)
-    assert torch.equal(plain.count, pad.count) and torch.equal(plain.correct, pad.correct)
-    assert pad_batch(batch, 7) is batch  # 21 tokens: already a multiple
+    def two_steps(dtype):  # each weight used twice, as the TTT steps use it
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fused = model.fused_weights(dtype)
+            h = model.fuse(aux)
+            for _ in range(2):
+                q, k, v, residual = model.qkv(ids, h, pos, fused)
+                h = model.finish(attn_out * q.mean() + k.mean() + v.mean(), residual, fused)
+            loss = model.logits(h, fused).float().square().mean()
+        loss.backward()
+        return {n: q.grad for n, q in model.named_parameters() if q.requires_grad}
+
+    per_use = two_steps(None)  # autocast casts the fp32 weights at every use
+    once = two_steps(torch.bfloat16)
+    assert set(once) == set(per_use)
+    for name, grad in once.items():
+        assert grad is not None and grad.dtype == torch.float32, name
+        scale = per_use[name].abs().max()
+        assert scale > 0, name
+        assert (grad - per_use[name]).abs().max() <= 0.02 * scale, name
