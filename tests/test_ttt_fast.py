@@ -104,3 +104,21 @@ def test_weights_cast_once_per_step_give_the_named_weights_their_gradients():
         scale = per_use[name].abs().max()
         assert scale > 0, name
         assert (grad - per_use[name]).abs().max() <= 0.02 * scale, name
+
+
+def test_padding_a_batch_changes_no_loss_or_count():
+    """Compiled runs pad batches to a bucketed length: the dummy sample must carry nothing."""
+    from test_model_ttt import random_samples, tiny_draft
+
+    from eagle3build.ttt import MathMergedAttention, pack, pad_batch, ttt_forward
+
+    model, _, scorer = tiny_draft()
+    batch = pack(random_samples([7, 5, 9], seed=4))
+    batch.greedy_in_draft = scorer.greedy_in_draft(batch.final)
+    padded = pad_batch(batch, 16)
+    assert padded.num_tokens == 32 and int(padded.doc[-1]) == 3
+    plain = ttt_forward(model, batch, scorer.draft_probs(batch.final), 3, MathMergedAttention())
+    pad = ttt_forward(model, padded, scorer.draft_probs(padded.final), 3, MathMergedAttention())
+    assert torch.allclose(plain.loss_sum, pad.loss_sum, atol=1e-5)
+    assert torch.equal(plain.count, pad.count) and torch.equal(plain.correct, pad.correct)
+    assert pad_batch(batch, 7) is batch  # 21 tokens: already a multiple
