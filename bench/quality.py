@@ -227,10 +227,10 @@ def phase_data(args, work: Path) -> dict:
     return stats
 
 
-def extract_hidden(args, work: Path, variant: str, layers: str) -> dict:
-    """The recipe's hidden states, extracted when its training starts rather than in the data phase: the
-    regenerated data of several sampled passes takes ~46 GB per layer set, and the device's disk holds one set
-    at a time (the driver frees a recipe's states once it is trained)."""
+def extract_hidden(args, work: Path, variant: str, layers: str) -> tuple[list[str], dict]:
+    """The recipe's hidden-state shards (and what extracting them took), extracted when its training starts
+    rather than in the data phase: the regenerated data of several sampled passes takes ~46 GB per layer set,
+    and the device's disk holds one set at a time (the driver frees a recipe's states once it is trained)."""
     import torch
 
     from eagle3build.config import default_aux_layer_ids
@@ -240,17 +240,18 @@ def extract_hidden(args, work: Path, variant: str, layers: str) -> dict:
     layer_ids = {"aux": default_aux_layer_ids(n_layers), "final": [n_layers - 1] * 3}[layers]
     tokens = sorted(str(p) for p in (work / f"tokens-{variant}").rglob("*.safetensors"))
     ex = Extractor(args.model, layer_ids, args.device, "auto")
-    t0, ntok = time.perf_counter(), 0
+    t0, ntok, hidden = time.perf_counter(), 0, []
     for tok in tokens:
         out = tok.replace(f"/tokens-{variant}/", f"/hidden-{variant}-{layers}/")
         if not Path(out).exists():
             ntok += ex.extract_shard(tok, out, "bf16", args.batch_tokens, progress=False)["tokens"]
+        hidden.append(out)
     dt = time.perf_counter() - t0
     log(f"extracted {variant}/{layers}: {ntok} tokens in {dt:.1f}s")
     del ex
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"layers": layer_ids, "tokens": ntok, "seconds": dt, "tokens_per_s": ntok / max(dt, 1e-9)}
+    return hidden, {"layers": layer_ids, "tokens": ntok, "seconds": dt, "tokens_per_s": ntok / max(dt, 1e-9)}
 
 
 def phase_train(args, work: Path) -> dict:
@@ -266,8 +267,7 @@ def phase_train(args, work: Path) -> dict:
         variant, layers = RECIPES[recipe]
         run = work / "runs" / recipe
         if not (run / "train-summary.json").exists():
-            extracted = extract_hidden(args, work, variant, layers)
-            hidden = sorted(str(p) for p in (work / f"hidden-{variant}-{layers}").rglob("*.safetensors"))
+            hidden, extracted = extract_hidden(args, work, variant, layers)
             t0 = time.perf_counter()
             summary = train(hidden, str(work / f"mapping-{variant}.safetensors"), args.model, str(run / "train"),
                             str(run / "state"), params)
