@@ -144,31 +144,11 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
     return [line for n, line in answers if n < args.sampled_passes]
 
 
-def phase_data(args, work: Path) -> dict:
-    from eagle3build.formats import count_records
-    from eagle3build.prepare import split_dataset
+def regenerated_shards(args, work: Path, conversations: list[str], stats: dict) -> list[str]:
+    """The target's answers to every conversation (greedy, every assistant turn), plus --sampled-passes
+    sampled answers to each first user turn, cut back into shards."""
     from eagle3build.regenerate import regenerate_shard
-    from eagle3build.vocab import build_mapping, count_shard
 
-    files = train_files(Path(args.data))
-    stats = {"files": {}}
-    convs = {"orig": [], "regen": []}
-    for name, path in files.items():
-        n = count_records(str(path), "auto")
-        if args.max_samples:
-            n = min(n, args.max_samples)
-        shards = math.ceil(n / args.shard_size)
-        outs = [str(work / "data" / name / f"{i:05d}.jsonl") for i in range(shards)]
-        if not all(Path(o).exists() for o in outs):
-            split_dataset(str(path), "auto", outs, args.shard_size, n, None, name)
-        # The 5 AlpacaEval files share their 805 instructions: regenerated once (greedy answers would be
-        # identical); recipe (c) takes the same file's original answers, so (a) and (c) see the same prompts.
-        if name.startswith("alpaca_eval_") and name != min(k for k in files if k.startswith("alpaca_eval_")):
-            stats.setdefault("duplicate_prompt_files_skipped", []).append(name)
-            continue
-        convs["orig"] += outs
-        convs["regen"] += outs
-        stats["files"][name] = n
     t0 = time.perf_counter()
     regen_params = {"backend": "hf", "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
                     "batch_size": args.gen_batch, "batch_tokens": args.gen_batch_tokens, "device": args.device}
@@ -181,12 +161,12 @@ def phase_data(args, work: Path) -> dict:
     if not regen_out.exists():
         combined.parent.mkdir(parents=True, exist_ok=True)
         with open(combined, "w", encoding="utf-8") as f:
-            for conv in convs["regen"]:
+            for conv in conversations:
                 f.write(Path(conv).read_text(encoding="utf-8"))
         report = regenerate_shard(str(combined), str(regen_out), str(regen_out) + ".report.json", target_of(args),
                                   regen_params)
         counts = {k: report[k] for k in ("samples", "ok", "failed", "truncated", "skipped", "cut_at_tool", "resumed")}
-        log(f"regenerated {len(convs['regen'])} shards in {time.perf_counter() - t0:.0f}s: {counts}")
+        log(f"regenerated {len(conversations)} shards in {time.perf_counter() - t0:.0f}s: {counts}")
     stats["regenerate_report"] = json.loads(Path(str(regen_out) + ".report.json").read_text())
     lines = regen_out.read_text(encoding="utf-8").splitlines(keepends=True)
     if args.sampled_passes:
@@ -200,7 +180,37 @@ def phase_data(args, work: Path) -> dict:
             out.write_text("".join(lines[i::parts]), encoding="utf-8")
         regen_outs.append(str(out))
     stats["regenerate_s"] = time.perf_counter() - t0
-    convs["regen"] = regen_outs
+    return regen_outs
+
+
+def phase_data(args, work: Path) -> dict:
+    from eagle3build.formats import count_records
+    from eagle3build.prepare import split_dataset
+    from eagle3build.vocab import build_mapping, count_shard
+
+    files = train_files(Path(args.data))
+    stats = {"files": {}}
+    # Only the data the requested recipes train on: a run of recipe (c) alone needs no regeneration.
+    variants = {RECIPES[r][0] for r in args.recipes}
+    convs = {v: [] for v in ("orig", "regen") if v in variants}
+    for name, path in files.items():
+        n = count_records(str(path), "auto")
+        if args.max_samples:
+            n = min(n, args.max_samples)
+        shards = math.ceil(n / args.shard_size)
+        outs = [str(work / "data" / name / f"{i:05d}.jsonl") for i in range(shards)]
+        if not all(Path(o).exists() for o in outs):
+            split_dataset(str(path), "auto", outs, args.shard_size, n, None, name)
+        # The 5 AlpacaEval files share their 805 instructions: regenerated once (greedy answers would be
+        # identical); recipe (c) takes the same file's original answers, so (a) and (c) see the same prompts.
+        if name.startswith("alpaca_eval_") and name != min(k for k in files if k.startswith("alpaca_eval_")):
+            stats.setdefault("duplicate_prompt_files_skipped", []).append(name)
+            continue
+        for v in convs:
+            convs[v] += outs
+        stats["files"][name] = n
+    if "regen" in convs:
+        convs["regen"] = regenerated_shards(args, work, convs["regen"], stats)
     tokenizer = {"path": args.model, "revision": None, "trust_remote_code": False, "chat_template": args.chat_template}
     jobs = {v: [(c, c.replace(f"/{'data' if v == 'orig' else 'regen'}/", f"/tokens-{v}/").replace(".jsonl", ".safetensors"),
                  c.replace(f"/{'data' if v == 'orig' else 'regen'}/", f"/tokens-{v}/").replace(".jsonl", ".json"),
@@ -210,7 +220,7 @@ def phase_data(args, work: Path) -> dict:
         tokens = {v: list(pool.map(_tokenize, jobs[v])) for v in jobs}
     stats["tokenize_s"] = time.perf_counter() - t0
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    for variant in ("regen", "orig"):
+    for variant in convs:
         counts = []
         for tok in tokens[variant]:
             c = tok.replace(f"/tokens-{variant}/", f"/counts-{variant}/")
