@@ -112,7 +112,8 @@ class DraftConfig:
 class FusedWeights:
     """Runtime-only concatenations of the draft's projection weights (see Eagle3Draft.fused_weights)."""
 
-    qkv: torch.Tensor  # [(nh + 2 * nkv) * hd, 2H]: q_proj; k_proj; v_proj
+    qkv_embed: torch.Tensor  # [(nh + 2 * nkv) * hd, H]: q/k/v's embedding half, input_layernorm's scale folded in
+    qkv_hidden: torch.Tensor  # [(nh + 2 * nkv) * hd, H]: q/k/v's hidden half
     gate_up: torch.Tensor  # [2I, H]: gate_proj; up_proj
     o: torch.Tensor  # o_proj
     down: torch.Tensor  # down_proj
@@ -240,13 +241,16 @@ class Eagle3Draft(nn.Module):
         cast once (e.g. to the autocast dtype).
 
         One wide matmul instead of three (two) runs closer to the GPU's matrix rate, in the forward and
-        in the backward. Casting once per step rather than per use (autocast casts inside every call of
+        in the backward. q/k/v are split by input: the embedding half (see `embed_qkv`) and the hidden
+        half. Casting once per step rather than per use (autocast casts inside every call of
         a compiled region) saves, per TTT step, a cast of each weight and the fp32 accumulation of its
         gradient: the uses' gradients add up in the low dtype and are cast back once. Gradients flow
         back into the named parameters, so the checkpoint layout is unchanged. Build it once per
         training step and pass it to `qkv`/`finish`/`logits` for every TTT step.
         """
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        layer, H = self.midlayer, self.config.hidden_size
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
 
         def cast(w):
             return w if dtype is None else w.to(dtype)
@@ -255,12 +259,25 @@ class Eagle3Draft(nn.Module):
             return torch.cat([cast(w) for w in weights])
 
         return FusedWeights(
-            cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+            cat(*(w[:, :H] * layer.input_layernorm.weight for w in qkv)),  # (n * g) @ W.T == n @ (W * g).T
+            cat(*(w[:, H:] for w in qkv)),
             cat(mlp.gate_proj.weight, mlp.up_proj.weight),
             cast(attn.o_proj.weight),
             cast(mlp.down_proj.weight),
             cast(self.lm_head.weight),
         )
+
+    def embed_qkv(self, input_ids: torch.Tensor, fused: FusedWeights) -> torch.Tensor:
+        """The embedding half of q/k/v, [..., (nh + 2 * nkv) * hd], for `qkv(..., fused, embed_qkv)`.
+
+        It depends on the token ids alone, and TTT step s reads the ids shifted by s: a training step
+        computes it once over the ids and hands each TTT step its rows, instead of a matmul per step.
+        input_layernorm's scale is folded into fused.qkv_embed, so the normed embeddings need no
+        gradient and the backward computes none for this half's input (the embeddings are frozen).
+        """
+        embeds = self.embed_tokens(input_ids)
+        normed = F.rms_norm(embeds.float(), (embeds.shape[-1],), eps=self.midlayer.input_layernorm.eps)
+        return F.linear(normed.to(fused.qkv_embed.dtype), fused.qkv_embed)
 
     def qkv(
         self,
@@ -268,20 +285,26 @@ class Eagle3Draft(nn.Module):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         fused: FusedWeights | None = None,
+        embed_qkv: torch.Tensor | None = None,
     ):
-        """Queries [B, nh, T, hd] and post-RoPE keys/values [B, nkv, T, hd], plus the residual."""
+        """Queries [B, nh, T, hd] and post-RoPE keys/values [B, nkv, T, hd], plus the residual.
+
+        With `fused`, `embed_qkv` may give the embedding half precomputed (then input_ids is unused)."""
         c, layer = self.config, self.midlayer
-        B, T = input_ids.shape
+        B, T = hidden.shape[:2]
         normed_hidden = layer.hidden_norm(hidden)
         residual = normed_hidden if c.norm_before_residual else hidden
-        embeds = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
-        x = torch.cat((embeds, normed_hidden), dim=-1)  # embedding first
         attn = layer.self_attn
         if fused is None:
+            embeds = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+            x = torch.cat((embeds, normed_hidden), dim=-1)  # embedding first
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         else:
+            if embed_qkv is None:
+                embed_qkv = self.embed_qkv(input_ids, fused)
             q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            q, k, v = F.linear(x, fused.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            qkv = F.linear(normed_hidden, fused.qkv_hidden) + embed_qkv
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)

@@ -483,7 +483,7 @@ def init_distributed() -> Dist:
 class TTTModule(nn.Module):
     """The draft under TTT as one forward(), so DistributedDataParallel can wrap it, and so FSDP2
     (sharding this module as its root) gathers the draft's weights in its pre-forward hook: ttt_forward
-    calls the draft's methods (fused_weights, qkv, finish, logits), never draft.forward."""
+    calls the draft's methods (fused_weights, embed_qkv, qkv, finish, logits), never draft.forward."""
 
     def __init__(self, draft: Eagle3Draft, steps: int, attention, compile: bool = False):
         super().__init__()

@@ -353,17 +353,19 @@ def step_valid(batch: PackedBatch, steps: int) -> torch.Tensor:
 
 
 def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_argmax, weight):
-    """Weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target argmax, weight.
+    """Per step, weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target
+    argmax, and weight.
 
-    hidden [N, H] (pre-norm); target_probs fp32 [N, K]; target_argmax [N]; weight [N] in {0, 1}.
-    Every row is computed and unweighted rows are zeroed rather than gathered out, so the shapes are
-    static and the step never waits on the host.
+    hidden [S, N, H] (pre-norm, every step's rows in target order); target_probs fp32 [N, K];
+    target_argmax [N]; weight [S, N] in {0, 1}. Returns three [S] tensors. Every row is computed and
+    unweighted rows are zeroed rather than gathered out, so the shapes are static and the step never
+    waits on the host.
     """
     logits = model.logits(hidden, fused)
     logp = torch.log_softmax(logits.float(), dim=-1)
-    loss_sum = -(weight * (target_probs * logp).sum(-1)).sum()
-    correct = (weight * (logits.argmax(-1) == target_argmax)).sum()
-    return loss_sum, correct, weight.sum()
+    loss_sum = -(weight * (target_probs * logp).sum(-1)).sum(-1)
+    correct = (weight * (logits.argmax(-1) == target_argmax)).sum(-1)
+    return loss_sum, correct, weight.sum(-1)
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -378,8 +380,8 @@ def _kernel(fn: Callable, compile: bool) -> Callable:
     return _COMPILED[fn.__name__]
 
 
-def _layer_in(model, fused, input_ids, hidden, position):
-    return model.qkv(input_ids, hidden, position, fused)
+def _layer_in(model, fused, embed_qkv, hidden, position):
+    return model.qkv(None, hidden, position, fused, embed_qkv)
 
 
 def _layer_out(model, fused, attn_out, residual):
@@ -403,8 +405,7 @@ def ttt_forward(
 
     Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order: the
     step's output rows move down by 1 + s (rows j < 1 + s get zeros and weight 0), so the target
-    tensors are used as they are and every step's loss has the same contiguous input shapes (one
-    compilation for all steps).
+    tensors serve every step as they are, and one loss call covers all steps.
     """
     if valid is None:
         valid = step_valid(batch, steps)
@@ -418,24 +419,27 @@ def ttt_forward(
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
     loss_fn = _kernel(soft_cross_entropy, compile)
     hidden = model.fuse(batch.aux).unsqueeze(0)  # [1, N, H]
-    keys, values, loss_sums, corrects, counts = [], [], [], [], []
+    # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
+    # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
+    embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
+    keys, values, at_target, weight_at_target = [], [], [], []
     for s in range(steps):
-        input_ids = shift(batch.input_ids, 1 + s, 0).unsqueeze(0)
         position = (batch.position + s).unsqueeze(0)
-        q, k, v, residual = layer_in(model, fused, input_ids, hidden, position)
+        step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
+        q, k, v, residual = layer_in(model, fused, step_embed_qkv, hidden, position)
         keys.append(k)
         values.append(v)
         hidden = layer_out(model, fused, attention(q, keys, values, batch.doc, s, scale), residual)
         rows = max(n - 1 - s, 0)  # step rows whose target j = p + 1 + s is inside the batch
-        hidden_at_target = F.pad(hidden[0, :rows], (0, 0, n - rows, 0))
-        weight_at_target = F.pad(weights[s, :rows], (n - rows, 0))
-        loss_sum, correct, count = loss_fn(
-            model, fused, hidden_at_target, target_probs, target_argmax, weight_at_target
-        )
-        loss_sums.append(loss_sum)
-        corrects.append(correct)
-        counts.append(count)
-    return TTTStats(torch.stack(loss_sums), torch.stack(corrects).float(), torch.stack(counts).float())
+        at_target.append(F.pad(hidden[0, :rows], (0, 0, n - rows, 0)))
+        weight_at_target.append(F.pad(weights[s, :rows], (n - rows, 0)))
+    # Every step's loss at once: no step reads the previous step's logits (it reads its hidden state),
+    # so the lm_head is one matmul over all steps, and so is its weight gradient (k matmuls and k - 1
+    # accumulations otherwise).
+    loss_sum, correct, count = loss_fn(
+        model, fused, torch.stack(at_target), target_probs, target_argmax, torch.stack(weight_at_target)
+    )
+    return TTTStats(loss_sum, correct.float(), count.float())
 
 
 def step_weights(steps: int, step_weight: float, device=None) -> torch.Tensor:
