@@ -13,7 +13,8 @@ the draft and whatever k. So the acceptance of every round can be read off that 
    verified prefix x[:n] accepts min(A[n-2], k) tokens and the target adds one.
 
 This gives tau for every k from a single pass instead of k_max sequential decoding loops, and equals the
-sequential loop (`evaluate.speculative_generate`) up to floating-point ties (tests/test_acceptance.py).
+sequential loop (`evaluate.speculative_generate`) up to floating-point ties
+(tests/test_evaluate.py::test_one_teacher_forced_pass_predicts_every_round_of_the_loop).
 """
 
 from __future__ import annotations
@@ -21,13 +22,7 @@ from __future__ import annotations
 import torch
 
 from .model import Eagle3Draft, attention_scale
-
-
-def _shift(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
-    out = torch.full_like(x, fill)
-    if n < len(x):
-        out[: len(x) - n] = x[n:]
-    return out
+from .ttt import shift
 
 
 @torch.inference_mode()
@@ -43,7 +38,7 @@ def chain_proposals(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor,
     groups = c.num_attention_heads // c.num_key_value_heads
     keys, values, out = [], [], []
     for s in range(k):
-        ids = _shift(tokens, 1 + s, 0)[None]
+        ids = shift(tokens, 1 + s, 0)[None]
         q, key, value, residual = draft.qkv(ids, hidden, (positions + s)[None])
         keys.append(key.repeat_interleave(groups, dim=1))
         values.append(value.repeat_interleave(groups, dim=1))
@@ -64,7 +59,7 @@ def run_lengths(proposals: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     k, T = proposals.shape
     hits = torch.zeros(k, T, dtype=torch.bool, device=proposals.device)
     for s in range(k):
-        hits[s] = proposals[s] == _shift(tokens, 2 + s, -1)
+        hits[s] = proposals[s] == shift(tokens, 2 + s, -1)
     return torch.cumprod(hits.long(), dim=0).sum(0)
 
 
