@@ -340,7 +340,8 @@ def plot(results: dict, out_png: str) -> None:
         group_centers = [j + (len(per_k) - 1) * width / 2 for j in range(len(categories) + 1)]
         by_category.set_xticks(group_centers, ["all", *categories], rotation=30, ha="right")
         by_category.set(title=f"{name}: mean acceptance length (tau) by category", ylabel="tau")
-        by_category.legend(fontsize="small")
+        by_category.set_ylim(bottom=1)  # tau >= 1 always: the target's own token
+        by_category.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     with atomic_path(out_png, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=100)
