@@ -25,6 +25,7 @@ import hashlib
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -265,24 +266,36 @@ class HFBackend:
         return answers
 
     def run(self, replays: dict[int, Replay], on_turn: Callable[[int, Replay], None]) -> Iterator[tuple[int, Replay | Exception]]:
+        """Yield each conversation as soon as the batch that answers its last turn is done (so a job killed
+        mid-round keeps every finished batch), and log one line per batch (a CPU batch can take minutes)."""
         replays = dict(replays)
+        for index in [i for i, r in replays.items() if r.next_prompt() is None]:
+            yield index, replays.pop(index)
         round_no = 0
         while replays:
-            waiting = []
-            for index, replay in list(replays.items()):
-                if replay.next_prompt() is None:
-                    yield index, replays.pop(index)  # finished conversations reach the partial file now
-                else:
-                    waiting.append((index, replay))
+            waiting = list(replays.items())
             prompts = [self.encode(r.next_prompt(), r.tools) for _, r in waiting]
-            for batch_no, rows in enumerate(self.batches([len(p) for p in prompts])):
+            batches = self.batches([len(p) for p in prompts])
+            for batch_no, rows in enumerate(batches):
+                started = time.perf_counter()
                 seed = int(self.params["seed"]) + 100_003 * round_no + batch_no
                 answers = self.answer([prompts[i] for i in rows], seed)
+                finished = 0
                 for i, (text, truncated) in zip(rows, answers, strict=True):
                     index, replay = waiting[i]
                     replay.add_answer(text, truncated)
-                    if replay.next_prompt() is not None:
+                    if replay.next_prompt() is None:
+                        finished += 1
+                        yield index, replays.pop(index)
+                    else:
                         on_turn(index, replay)
+                print(
+                    f"regenerate: turn {round_no + 1}, batch {batch_no + 1}/{len(batches)}: {len(rows)} "
+                    f"conversations ({finished} finished, {len(replays)} left) in "
+                    f"{time.perf_counter() - started:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             round_no += 1
 
 

@@ -333,6 +333,38 @@ def test_hf_backend_greedy_multi_turn_batched(tmp_path, stories_target, monkeypa
     assert saved == [(0, 1)]
 
 
+def test_hf_backend_kill_mid_round_keeps_finished_batches(tmp_path, stories_target, monkeypatch, capsys):
+    """A job killed in the middle of a turn's batches resumes with every batch finished before the kill."""
+    samples = [{"id": str(i), "messages": [{"role": "user", "content": f"Story {i}: once upon a time"}]}
+               for i in range(3)]
+    params = {"backend": "hf", "batch_size": 1, "max_new_tokens": 8, "device": "cpu"}
+    calls = []
+    answer = HFBackend.answer
+
+    def killed_on_third_call(self, prompts, seed):
+        calls.append(len(prompts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a SIGINT from Snakemake looks like in the job
+        return answer(self, prompts, seed)
+
+    monkeypatch.setattr(HFBackend, "answer", killed_on_third_call)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, samples, params, stories_target)
+    partial = read_jsonl(tmp_path / "out.jsonl.partial.jsonl")
+    assert sum("result" in line for line in partial) == 2  # both finished batches, though the turn was not
+    assert not (tmp_path / "out.jsonl").exists()
+    log = capsys.readouterr().err
+    assert "turn 1, batch 1/3: 1 conversations (1 finished, 2 left)" in log
+    assert "batch 2/3" in log and "batch 3/3" not in log
+
+    calls.clear()
+    monkeypatch.setattr(HFBackend, "answer", lambda self, prompts, seed: calls.append(len(prompts)) or answer(self, prompts, seed))
+    out, report = run(tmp_path, samples, params, stories_target)
+    assert calls == [1]  # only the conversation the kill interrupted
+    assert report["resumed"] == 2 and report["ok"] == 3
+    assert [s["id"] for s in out] == ["0", "1", "2"]
+
+
 def test_hf_backend_sampling_is_seeded(tmp_path, stories_target):
     samples = [{"id": "b", "messages": [{"role": "user", "content": "Lily went to the park."}]}]
     params = {"backend": "hf", "max_new_tokens": 16, "device": "cpu", "temperature": 1.0, "seed": 3}
