@@ -9,6 +9,11 @@ train, export, evaluate). Two bare workflows with as many jobs, trivial `touch` 
 three aggregate rules), so project / bare-chain is what the project's own logic (config validation, input
 functions, scripts) adds to what Snakemake spends on that DAG.
 A synthetic dataset with one conversation per shard (shard_size 1) gives S shards without real data.
+
+--ablations also times copies of the project with one directive family stripped at a time (cumulative, so
+each row says what that family costs per job): `script:` replaced by a realistic `shell:` command (what a
+port to shell would print per job), then by `shell: "true"`, then input functions and params callables made
+static, then no `log:`. They are measurements, not options: the project keeps every directive.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -85,8 +91,47 @@ def timed(cmd: list[str], cwd: Path) -> float:
     return time.perf_counter() - t0
 
 
-def project_dry_run(work: Path, shards: int, model: str, template: str | None) -> tuple[float, int]:
-    wd = copy_workflow(work / f"project-{shards}")
+def _shell_command(text: str) -> str:
+    return re.sub(r'script:\n\s+"\.\./scripts/(\w+)\.py"', 'shell:\n        "{PY} -m eagle3build.\\1 '
+                  '--input {input:q} --output {output:q} --params {params.version:q} --log {log:q}"', text)
+
+
+def _shell_true(text: str) -> str:
+    return re.sub(r'script:\n\s+"[^"]+"', 'shell:\n        "true"', text)
+
+
+def _static(text: str) -> str:  # the synthetic config has one dataset, "synthetic"
+    text = _shell_true(text)
+    text = text.replace('lambda wc: local_file(DATASETS[wc.ds]["path"])', 'local_file(DATASETS["synthetic"]["path"])')
+    text = re.sub(r"dataset=lambda wc: \{\n.*?\n.*?\n\s+\},", 'dataset=dict(DATASETS["synthetic"]),', text, flags=re.S)
+    text = text.replace('shards=lambda wc: len(DATASETS[wc.ds]["shards"])', 'shards=len(DATASETS["synthetic"]["shards"])')
+    return text.replace("conversations=conversations_for,", 'conversations=f"{OUT}/data/{{ds}}/{{shard}}.jsonl",')
+
+
+def _no_log(text: str) -> str:
+    return re.sub(r"    log:\n        [^\n]+\n", "", _static(text))
+
+
+ABLATIONS = {"shell_command": _shell_command, "shell_true": _shell_true, "static": _static, "no_log": _no_log}
+
+
+def project_dry_run(work: Path, shards: int, model: str, template: str | None, ablation: str | None = None
+                    ) -> tuple[float, int]:
+    wd = copy_workflow(work / f"project-{shards}-{ablation}")
+    if ablation:
+        for smk in (wd / "rules").glob("*.smk"):
+            smk.write_text(ABLATIONS[ablation](smk.read_text()))
+        rules = "".join(smk.read_text() for smk in (wd / "rules").glob("*.smk"))
+        per_shard = (wd / "rules" / "prepare.smk").read_text()  # the per-shard rules with callables
+        stripped = {"script:": True, "log:": ablation == "no_log"}
+        left = [directive for directive, gone in stripped.items() if gone and directive in rules]
+        if ablation in ("static", "no_log"):
+            left += [f for f in ("lambda wc", "conversations_for") if f in per_shard]
+        assert not left, f"ablation {ablation} left {left} in the rules: update ABLATIONS to the rules' text"
+        if ablation == "shell_command":
+            snakefile = wd / "Snakefile"
+            snakefile.write_text(snakefile.read_text().replace('include: "rules/common.smk"\n',
+                                                               'include: "rules/common.smk"\nPY = sys.executable\n'))
     line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     (wd / "data.jsonl").write_text((line + "\n") * shards)
     cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],
@@ -114,6 +159,7 @@ def main() -> int:
     p.add_argument("--model", default=str(ROOT.parent / "shared" / "assets" / "models" / "stories260K"))
     p.add_argument("--template", default=str(ROOT / "tests" / "data" / "chat_template.jinja"))
     p.add_argument("--noop-config", default="config.yaml", help="config for the no-op `make run` timing ('' skips)")
+    p.add_argument("--ablations", action="store_true", help="also time the project with directives stripped")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
@@ -123,14 +169,19 @@ def main() -> int:
         work = Path(tmp)
         for shards in args.shards:
             proj, bare, chain = [], [], []
+            ablated = {name: [] for name in (ABLATIONS if args.ablations else ())}
             for r in range(args.repeats):  # interleaved: this VM's speed drifts between runs
                 t, jobs = project_dry_run(work / f"r{r}", shards, args.model, args.template)
                 proj.append(t)
+                for name, times in ablated.items():
+                    times.append(project_dry_run(work / f"r{r}", shards, args.model, args.template, name)[0])
                 bare.append(snakefile_dry_run(work / f"r{r}" / f"bare-{jobs}", BARE, f"njobs={jobs - 1}"))
                 chain.append(snakefile_dry_run(work / f"r{r}" / f"chain-{shards}", BARE_CHAIN, f"shards={shards}"))
             row = {"shards": shards, "jobs": jobs, "project_s": min(proj), "bare_s": min(bare),
                    "bare_chain_s": min(chain), "ratio": min(proj) / min(bare),
                    "ratio_vs_bare_chain": min(proj) / min(chain)}
+            for name, times in ablated.items():
+                row[f"{name}_s"], row[f"{name}_ratio"] = min(times), min(times) / min(bare)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             for r in range(args.repeats):
