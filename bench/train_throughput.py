@@ -7,8 +7,9 @@ One step is what `eagle3build.train` does per micro-batch: the target's draft-vo
 (`TargetScorer.draft_probs`), the k-step TTT forward, the normalised weighted loss, backward, grad
 clipping and fused AdamW, with fp32 master weights under bf16 autocast. The greedy-in-draft flag is
 cached per sample by the trainer (once per run), so it is computed before timing. Synthetic inputs
-already on the device, every row weighted (as the peers' bench), the same batch every step, so the
-loss must fall.
+already on the device, every row weighted (as the peers' bench; --loss-fraction masks a share of each
+256 tokens as chat prompts are, and the step then computes the lm_head and loss at the loss rows only,
+as training does), the same batch every step, so the loss must fall.
 
 Reported per sequence length: tokens/s (mean over the timed steps), model-FLOPs utilisation against
 an 8192^3 bf16 matmul timed in the same process (FLOPs counted as peer-train-bench counts them),
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3build.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.target import TargetHead  # noqa: E402
+from eagle3build.train import LOSS_ROWS_MULTIPLE  # noqa: E402
 from eagle3build.ttt import (  # noqa: E402
     MathMergedAttention,
     PackedBatch,
@@ -43,6 +45,7 @@ from eagle3build.ttt import (  # noqa: E402
     step_weights,
     ttt_forward,
     weighted_loss,
+    with_loss_rows,
 )
 
 PRESETS = {
@@ -103,8 +106,12 @@ def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
     )
 
 
-def build(shape: dict, T: int, device, seed: int = 0):
-    """Random-weight draft + target head and one synthetic packed batch of T tokens."""
+def build(shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0):
+    """Random-weight draft + target head and one synthetic packed batch of T tokens.
+
+    loss_fraction < 1 masks the first (1 - loss_fraction) of every 256 tokens, as a chat sample's prompts
+    are masked; the batch's loss rows are chosen as training chooses them.
+    """
     H, V, K = shape["hidden"], shape["vocab"], shape["draft_vocab"]
     g = torch.Generator(device=device).manual_seed(seed)
     embed = torch.randn(V, H, device=device, generator=g) * 0.02
@@ -135,21 +142,21 @@ def build(shape: dict, T: int, device, seed: int = 0):
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype)
     batch = PackedBatch(
         input_ids=torch.randint(0, V, (T,), device=device, generator=g),
-        loss_mask=torch.ones(T, dtype=torch.bool, device=device),
+        loss_mask=torch.arange(T, device=device) % 256 >= round((1 - loss_fraction) * 256),
         doc=torch.zeros(T, dtype=torch.long, device=device),
         position=torch.arange(T, device=device),
         aux=torch.randn(T, 3 * H, device=device, generator=g).to(data_dtype),
         final=torch.randn(T, H, device=device, generator=g).to(data_dtype),
-        greedy_in_draft=torch.ones(T, dtype=torch.bool, device=device),  # every row weighted
+        greedy_in_draft=torch.ones(T, dtype=torch.bool, device=device),  # every loss row weighted
     )
-    return draft, scorer, batch
+    return draft, scorer, with_loss_rows(batch, LOSS_ROWS_MULTIPLE)
 
 
 def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
     """One TTT forward + backward; returns per-step mean losses and the gradients (no update)."""
     draft.zero_grad(set_to_none=True)
     with autocast:
-        stats = ttt_forward(draft, batch, scorer.draft_probs(batch.final), ttt, attention, compile=compile)
+        stats = ttt_forward(draft, batch, scorer.draft_probs(batch.loss_final), ttt, attention, compile=compile)
         loss = weighted_loss(stats, stats.count, step_weights(ttt, 0.8, batch.aux.device))
     loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in draft.named_parameters() if p.grad is not None}
@@ -205,7 +212,8 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        draft, scorer, batch = build(shape, T, device)
+        draft, scorer, batch = build(shape, T, device, loss_fraction=args.loss_fraction)
+        result["loss_fraction"] = args.loss_fraction
         compile_rest = variant == "compiled"
         if cuda:
             attention = make_attention("flex", compile=True)
@@ -228,7 +236,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
                 stats = ttt_forward(
                     draft,
                     batch,
-                    scorer.draft_probs(batch.final),
+                    scorer.draft_probs(batch.loss_final),
                     args.ttt,
                     attention,
                     valid,
@@ -288,6 +296,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=27, help="timed steps (the loss is recorded for all)")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--loss-fraction", type=float, default=1.0,
+                    help="share of tokens with a loss (1: every row, as the peers compute; chat data: ~0.6)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fast-vs-dense check")

@@ -52,6 +52,7 @@ from .ttt import (
     summarize,
     ttt_forward,
     weighted_loss,
+    with_loss_rows,
 )
 
 DEFAULTS = {
@@ -94,6 +95,8 @@ def compile_length_multiple(batch_tokens: int) -> int:
     per_bucket = -(-batch_tokens // COMPILE_LENGTH_BUCKETS)
     return max(1024, -(-per_bucket // 128) * 128)  # flex works in blocks of 128
 
+
+LOSS_ROWS_MULTIPLE = 128  # compiled runs: loss rows padded to this (the loss is compiled for any count)
 
 MIN_SAMPLE_TOKENS = 3  # x[t+1] input and x[t+2] prediction need at least 3 tokens
 
@@ -663,6 +666,7 @@ def train(
             batch.greedy_in_draft = torch.cat([greedy_cache[i] for i in sample_ids])
         if compile_flex:  # compiled kernels are specialised to the length: a few length buckets
             batch = pad_batch(batch, compile_length_multiple(p["batch_tokens"]))
+        batch = with_loss_rows(batch, LOSS_ROWS_MULTIPLE if compile_flex else 1)
         return batch.pin_memory() if cuda else batch
 
     def make_batch(sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:
@@ -690,7 +694,7 @@ def train(
                 stats = ttt_forward(
                     draft,
                     batch,
-                    scorer.draft_probs(batch.final),
+                    scorer.draft_probs(batch.loss_final),
                     p["ttt_steps"],
                     attention,
                     compile=compile_flex,
@@ -737,7 +741,7 @@ def train(
             if fsdp:  # FSDP2's no_sync: keep unsharded gradients, reduce-scatter after the last one
                 module.set_requires_gradient_sync(sync)
             with nullcontext() if sync or fsdp else module.no_sync(), autocast:
-                stats = module(batch, scorer.draft_probs(batch.final), valid)
+                stats = module(batch, scorer.draft_probs(batch.loss_final), valid)
                 # DDP and FSDP average gradients over ranks; the loss is already normalised globally
                 loss = weighted_loss(stats, total_count, weights) * d.world_size
             loss.backward()

@@ -21,7 +21,7 @@ tests/test_model_ttt.py checks them against a loop-by-loop implementation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,18 @@ class PackedBatch:
     aux: torch.Tensor  # [N, 3*Ht]: aux streams, low -> mid -> high
     final: torch.Tensor  # [N, Ht]: final stream before the target's final norm
     greedy_in_draft: torch.Tensor | None = None  # bool [N]: target argmax (full vocab) at j is kept
+    loss_rows: torch.Tensor | None = None  # int64 [M]: the rows j the loss reads (None: all); see with_loss_rows
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def loss_final(self) -> torch.Tensor:
+        """The final stream at the loss rows: what TargetScorer.draft_probs scores for ttt_forward."""
+        if self.loss_rows is None:
+            return self.final
+        return self.final[self.loss_rows.clamp(max=self.num_tokens - 1)]  # padding rows (= N) read row N - 1
 
     def pin_memory(self) -> PackedBatch:
         """Page-locked contiguous copies: their copy to the GPU (`to`) runs asynchronously."""
@@ -73,6 +81,7 @@ class PackedBatch:
             move(self.aux, dtype),
             move(self.final, dtype),
             move(self.greedy_in_draft),
+            move(self.loss_rows),
         )
 
 
@@ -99,6 +108,7 @@ def pad_batch(batch: PackedBatch, multiple: int) -> PackedBatch:
     The dummy sample has its own doc id (nothing attends across samples), no loss mask and zero
     hidden states, so it carries no loss and changes no real row.
     """
+    assert batch.loss_rows is None, "pad first, then choose the loss rows (with_loss_rows)"
     pad = -batch.num_tokens % multiple
     if pad == 0:
         return batch
@@ -123,6 +133,21 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     if n == 0:
         return x
     return torch.cat((x[n:], x.new_full((min(n, len(x)),), fill)))
+
+
+def with_loss_rows(batch: PackedBatch, multiple: int = 1) -> PackedBatch:
+    """The batch with `loss_rows`: the rows j whose predicted token x[j + 1] is an assistant token of j's
+    sample, padded with N (weight 0) to a multiple of `multiple` rows (compiled kernels see few shapes).
+
+    Only these rows can carry a loss at any step, so the draft's lm_head, the loss and the target's
+    restricted distribution are computed for them alone: on chat data, where prompts and system
+    messages are masked, that skips their share of the step's largest matmul. Chosen on the host from
+    the loss mask, so the step never waits for the GPU to count them.
+    """
+    base = shift(batch.loss_mask, 1, False) & (shift(batch.doc, 1, -1) == batch.doc)
+    rows = base.nonzero().flatten()
+    size = max(-(-len(rows) // multiple), 1) * multiple  # never 0 rows: compiled kernels specialise on 0
+    return replace(batch, loss_rows=torch.cat((rows, rows.new_full((size - len(rows),), batch.num_tokens))))
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -356,10 +381,10 @@ def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_a
     """Per step, weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target
     argmax, and weight.
 
-    hidden [S, N, H] (pre-norm, every step's rows in target order); target_probs fp32 [N, K];
-    target_argmax [N]; weight [S, N] in {0, 1}. Returns three [S] tensors. Every row is computed and
-    unweighted rows are zeroed rather than gathered out, so the shapes are static and the step never
-    waits on the host.
+    hidden [S, M, H] (pre-norm, every step's rows at the loss rows, in target order); target_probs fp32
+    [M, K]; target_argmax [M]; weight [S, M] in {0, 1}. Returns three [S] tensors. The rows were chosen
+    on the host (with_loss_rows); a row without a loss at some step is zeroed there rather than gathered
+    out, so the step never waits on the host.
     """
     logits = model.logits(hidden, fused)
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -399,21 +424,28 @@ def ttt_forward(
 ) -> TTTStats:
     """Unroll `steps` draft steps over a packed batch and return per-step loss sums and accuracy counts.
 
-    target_probs: fp32 [N, K] from TargetScorer.draft_probs(batch.final) (no gradient).
+    target_probs: fp32 [M, K] from TargetScorer.draft_probs(batch.loss_final) (no gradient): the
+    target's distribution at the batch's loss rows (every row when it has none).
     compile: torch.compile the per-step layer halves and the loss (static shapes: one compilation
     per batch length; pad or bucket lengths when they vary).
 
-    Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order: the
-    step's output rows move down by 1 + s (rows j < 1 + s get zeros and weight 0), so the target
-    tensors serve every step as they are, and one loss call covers all steps.
+    Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order at the loss
+    rows j: step s contributes its output row j - 1 - s (weight 0 where that is before the batch or
+    outside j's sample), so the target tensors serve every step as they are, and one loss call covers
+    all steps.
     """
     if valid is None:
         valid = step_valid(batch, steps)
     n = batch.num_tokens
+    rows = batch.loss_rows if batch.loss_rows is not None else torch.arange(n, device=valid.device)
+    if len(target_probs) != len(rows):
+        raise ValueError(f"target_probs has {len(target_probs)} rows for {len(rows)} loss rows: score batch.loss_final")
     scale = attention_scale(model.config)
     target_probs = target_probs.float()
     target_argmax = target_probs.argmax(-1)
-    weights = valid.to(target_probs.dtype)
+    # weight of target row j at step s = valid[s, j - 1 - s]; column n (the loss rows' padding) is 0
+    valid = valid.to(target_probs.dtype)
+    weight = torch.stack([F.pad(F.pad(valid[s], (1 + s, 0))[:n], (0, 1)) for s in range(steps)])[:, rows]
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     fused = model.fused_weights(dtype)  # once per batch, shared by the steps
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
@@ -422,7 +454,7 @@ def ttt_forward(
     # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
     # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
     embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
-    keys, values, at_target, weight_at_target = [], [], [], []
+    keys, values, at_target = [], [], []
     for s in range(steps):
         position = (batch.position + s).unsqueeze(0)
         step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
@@ -430,15 +462,15 @@ def ttt_forward(
         keys.append(k)
         values.append(v)
         hidden = layer_out(model, fused, attention(q, keys, values, batch.doc, s, scale), residual)
-        rows = max(n - 1 - s, 0)  # step rows whose target j = p + 1 + s is inside the batch
-        at_target.append(F.pad(hidden[0, :rows], (0, 0, n - rows, 0)))
-        weight_at_target.append(F.pad(weights[s, :rows], (n - rows, 0)))
+        at_target.append(hidden[0, (rows - 1 - s).clamp(0, n - 1)])  # rows it clamps have weight 0
+    at_target = torch.stack(at_target)  # [S, M, H]
+    if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them
+        for t, dim in ((at_target, 1), (target_probs, 0), (target_argmax, 0), (weight, 1)):
+            torch._dynamo.mark_dynamic(t, dim)
     # Every step's loss at once: no step reads the previous step's logits (it reads its hidden state),
     # so the lm_head is one matmul over all steps, and so is its weight gradient (k matmuls and k - 1
     # accumulations otherwise).
-    loss_sum, correct, count = loss_fn(
-        model, fused, torch.stack(at_target), target_probs, target_argmax, torch.stack(weight_at_target)
-    )
+    loss_sum, correct, count = loss_fn(model, fused, at_target, target_probs, target_argmax, weight)
     return TTTStats(loss_sum, correct.float(), count.float())
 
 

@@ -122,3 +122,47 @@ def test_padding_a_batch_changes_no_loss_or_count():
     assert torch.allclose(plain.loss_sum, pad.loss_sum, atol=1e-5)
     assert torch.equal(plain.count, pad.count) and torch.equal(plain.correct, pad.correct)
     assert pad_batch(batch, 7) is batch  # 21 tokens: already a multiple
+
+
+def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
+    """The lm_head, loss and target distribution computed at the loss rows only (padded to a bucket)
+    equal computing them at every row: rows outside carry no weight at any step."""
+    from dataclasses import replace
+
+    from test_model_ttt import random_samples, tiny_draft
+
+    from eagle3build.ttt import MathMergedAttention, pack, pad_batch, ttt_forward, with_loss_rows
+
+    model, _, scorer = tiny_draft()
+    samples = random_samples([9, 6, 11], seed=5)
+    for _ids, mask, _ in samples:  # a chat sample: its prompt carries no loss
+        mask[:3] = False
+    batch = pad_batch(pack(samples), 16)
+    batch.greedy_in_draft = scorer.greedy_in_draft(batch.final)
+
+    def run(b):
+        model.zero_grad()
+        stats = ttt_forward(model, b, scorer.draft_probs(b.loss_final), 3, MathMergedAttention())
+        stats.loss_sum.sum().backward()
+        return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    every, every_grads = run(batch)
+    for multiple in (1, 8):
+        with_rows = with_loss_rows(batch, multiple)
+        rows = with_rows.loss_rows
+        assert len(rows) % multiple == 0 and len(rows) < batch.num_tokens  # prompts and padding are skipped
+        assert int((rows < batch.num_tokens).sum()) == int(
+            (batch.loss_mask[1:] & (batch.doc[1:] == batch.doc[:-1])).sum()
+        )
+        got, got_grads = run(with_rows)
+        assert torch.allclose(got.loss_sum, every.loss_sum, atol=1e-5)
+        assert torch.equal(got.count, every.count) and torch.equal(got.correct, every.correct)
+        assert got_grads.keys() == every_grads.keys()
+        for name, grad in got_grads.items():
+            assert torch.allclose(grad, every_grads[name], atol=1e-5), name
+    prompts_only = with_loss_rows(replace(batch, loss_mask=torch.zeros_like(batch.loss_mask)), 8)
+    assert len(prompts_only.loss_rows) == 8  # padding only: compiled kernels never see 0 rows
+    stats = ttt_forward(model, prompts_only, scorer.draft_probs(prompts_only.loss_final), 3, MathMergedAttention())
+    assert float(stats.count.sum()) == 0 and float(stats.loss_sum.detach().abs().sum()) == 0
+    with pytest.raises(ValueError, match="loss_final"):
+        ttt_forward(model, with_loss_rows(batch, 8), scorer.draft_probs(batch.final), 3, MathMergedAttention())
