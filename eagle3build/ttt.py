@@ -135,6 +135,11 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat((x[n:], x.new_full((min(n, len(x)),), fill)))
 
 
+def predicts_assistant_token(batch: PackedBatch) -> torch.Tensor:
+    """bool [N]: the token after row j, x[j + 1], is an assistant token of j's own sample."""
+    return shift(batch.loss_mask, 1, False) & (shift(batch.doc, 1, -1) == batch.doc)
+
+
 def with_loss_rows(batch: PackedBatch, multiple: int = 1) -> PackedBatch:
     """The batch with `loss_rows`: the rows j whose predicted token x[j + 1] is an assistant token of j's
     sample, padded with N (weight 0) to a multiple of `multiple` rows (compiled kernels see few shapes).
@@ -144,8 +149,7 @@ def with_loss_rows(batch: PackedBatch, multiple: int = 1) -> PackedBatch:
     messages are masked, that skips their share of the step's largest matmul. Chosen on the host from
     the loss mask, so the step never waits for the GPU to count them.
     """
-    base = shift(batch.loss_mask, 1, False) & (shift(batch.doc, 1, -1) == batch.doc)
-    rows = base.nonzero().flatten()
+    rows = predicts_assistant_token(batch).nonzero().flatten()
     size = max(-(-len(rows) // multiple), 1) * multiple  # never 0 rows: compiled kernels specialise on 0
     return replace(batch, loss_rows=torch.cat((rows, rows.new_full((size - len(rows),), batch.num_tokens))))
 
@@ -366,8 +370,7 @@ class TTTStats:
 def step_valid(batch: PackedBatch, steps: int) -> torch.Tensor:
     """bool [k, N]: rows that carry a loss at each step (see the module docstring)."""
     n = batch.num_tokens
-    same_doc_next = shift(batch.doc, 1, -1) == batch.doc
-    weight = shift(batch.loss_mask, 1, False) & same_doc_next  # predicted token x[j+1] is an assistant token
+    weight = predicts_assistant_token(batch)
     if batch.greedy_in_draft is not None:
         weight = weight & batch.greedy_in_draft
     rows = []
@@ -443,9 +446,11 @@ def ttt_forward(
     scale = attention_scale(model.config)
     target_probs = target_probs.float()
     target_argmax = target_probs.argmax(-1)
-    # weight of target row j at step s = valid[s, j - 1 - s]; column n (the loss rows' padding) is 0
-    valid = valid.to(target_probs.dtype)
-    weight = torch.stack([F.pad(F.pad(valid[s], (1 + s, 0))[:n], (0, 1)) for s in range(steps)])[:, rows]
+    # step s's output row for target row j is p = j - 1 - s; none before the batch or for padding (j = n)
+    source = rows - 1 - torch.arange(steps, device=rows.device)[:, None]  # [S, M]
+    in_batch = (source >= 0) & (rows < n)
+    source = source.clamp(0, n - 1)
+    weight = valid.to(target_probs.dtype).gather(1, source) * in_batch
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     fused = model.fused_weights(dtype)  # once per batch, shared by the steps
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
@@ -462,7 +467,7 @@ def ttt_forward(
         keys.append(k)
         values.append(v)
         hidden = layer_out(model, fused, attention(q, keys, values, batch.doc, s, scale), residual)
-        at_target.append(hidden[0, (rows - 1 - s).clamp(0, n - 1)])  # rows it clamps have weight 0
+        at_target.append(hidden[0, source[s]])
     at_target = torch.stack(at_target)  # [S, M, H]
     if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them
         for t, dim in ((at_target, 1), (target_probs, 0), (target_argmax, 0), (weight, 1)):
