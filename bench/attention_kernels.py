@@ -2,11 +2,12 @@
 
     python bench/attention_kernels.py --seq 4096 --out $OUT/attention_kernels.json      # on the GPU
 
-Shape: the Llama-8B head (32 query heads, 8 KV heads, head_dim 128), bf16, two packed samples (1/3 and
-2/3 of T), with the log-sum-exp the TTT merge needs. Timed per call (fwd + bwd, and fwd alone under
-no_grad), after warm-up. Alternatives: flex compiled with `max-autotune` (autotunes its block sizes),
-flex with hand-set block sizes, and PyTorch's varlen attention (FlashAttention-2 with cu_seqlens; with
-no GQA argument in torch 2.11 the KV heads are repeated). The output and lse are checked against flex.
+Shape: the Llama-8B head (32 query heads, 8 KV heads, head_dim 128), bf16, one sample of T tokens (the
+peers' data; --docs 2: two packed samples, 1/3 and 2/3 of T), with the log-sum-exp the TTT merge needs.
+Timed per call (fwd + bwd, and fwd alone under no_grad), after warm-up. Alternatives: flex compiled with
+`max-autotune` (autotunes its block sizes), flex with hand-set block sizes or TMA loads (`USE_TMA`, off by
+default on CUDA), and PyTorch's varlen attention (FlashAttention-2 with cu_seqlens; with no GQA argument
+in torch 2.11 the KV heads are repeated). The output and lse are checked against flex.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--docs", type=int, default=1, choices=(1, 2), help="packed samples in the sequence")
     ap.add_argument("--no-autotune", dest="autotune", action="store_false", help="skip max-autotune (~1 min)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -60,7 +62,8 @@ def main() -> int:
     grads = [torch.randn(1, HEADS, T, HEAD_DIM, device=dev, dtype=torch.bfloat16),
              torch.randn(1, HEADS, T, device=dev) * 0.01]
     doc = torch.zeros(T, dtype=torch.long, device=dev)
-    doc[T // 3 :] = 1
+    start = T // 3 if args.docs == 2 else 0  # where the last sample starts
+    doc[start:] = args.docs - 1
     scale = HEAD_DIM**-0.5
     block_mask = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (doc[ki] == doc[qi]), None, None, T, T, device=dev)
     aux = AuxRequest(lse=True)
@@ -74,7 +77,7 @@ def main() -> int:
 
     from torch.nn.attention import varlen
 
-    cu = torch.tensor([0, T // 3, T], device=dev, dtype=torch.int32)
+    cu = torch.tensor([0, start, T] if start else [0, T], device=dev, dtype=torch.int32)
     has_gqa = "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
 
     def varlen_fa2():
@@ -82,15 +85,18 @@ def main() -> int:
         extra = {"enable_gqa": True} if has_gqa else {}
         if not has_gqa:
             kk, vv = kk.repeat_interleave(HEADS // KV_HEADS, 1), vv.repeat_interleave(HEADS // KV_HEADS, 1)
-        out, lse = varlen.varlen_attn(qq, kk, vv, cu, cu, T - T // 3, T - T // 3, return_aux=varlen.AuxRequest(lse=True),
+        out, lse = varlen.varlen_attn(qq, kk, vv, cu, cu, T - start, T - start, return_aux=varlen.AuxRequest(lse=True),
                                       scale=scale, window_size=(-1, 0), **extra)
         return out.transpose(0, 1).unsqueeze(0), lse.reshape(1, HEADS, T)
 
     impls = {"flex, as trained (torch.compile, default blocks)": flex(torch.compile(flex_attention, dynamic=False))}
     if args.autotune:
         impls["flex, max-autotune"] = flex(torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs"))
-    for opts in (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                 dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)):
+    for opts in (dict(USE_TMA=True),
+                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                 dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2),
+                 dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
+                 dict(USE_TMA=True, PRESCALE_QK=True)):
         impls[f"flex, {opts}"] = flex(torch.compile(flex_attention, dynamic=False), opts)
     impls[f"varlen_attn (FlashAttention-2{'' if has_gqa else ', KV heads repeated'})"] = varlen_fa2
 
@@ -99,6 +105,7 @@ def main() -> int:
     rows = []
     for name, fn in impls.items():
         row = {"impl": name, "T": T}
+        torch.compiler.reset()  # every variant compiles the same function: past the recompile limit it runs eager
         try:
             row.update(timed(fn, grads, args.iters))
             with torch.no_grad():

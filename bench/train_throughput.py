@@ -23,7 +23,10 @@ import argparse
 import json
 import math
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import nullcontext
@@ -41,7 +44,6 @@ from eagle3build.ttt import (  # noqa: E402
     PackedBatch,
     TargetScorer,
     make_attention,
-    step_valid,
     step_weights,
     ttt_forward,
     weighted_loss,
@@ -62,6 +64,51 @@ PRESETS = {
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class GpuClockLog:
+    """The GPU's SM clock, power draw and power-cap flag, sampled by nvidia-smi every 100 ms while the
+    timed steps run. An H200 at its 700 W cap lowers its clock, and by how much depends on how hard the
+    step drives it: tokens/s comparisons between trainers need the clocks beside them (BENCHMARKS §2)."""
+
+    POWER_CAP = 0x4  # nvidia-smi clocks_throttle_reasons: SW power cap
+
+    def __init__(self, device: torch.device):
+        self.proc = None
+        if device.type != "cuda" or not shutil.which("nvidia-smi"):
+            return
+        p = torch.cuda.get_device_properties(device)
+        bus_id = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"  # this process's GPU
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--id={bus_id}", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+             "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=self.log, stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> dict | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.log.seek(0)
+        samples = []
+        for line in self.log.read().splitlines():
+            try:
+                clock, power, reasons = (x.strip() for x in line.split(","))
+                samples.append((float(clock), float(power), int(reasons, 16)))
+            except ValueError:  # a header, "[N/A]" or a line cut by the stop
+                continue
+        if not samples:
+            return None
+        n = len(samples)
+        return dict(
+            samples=n,
+            sm_mhz_mean=round(sum(c for c, _, _ in samples) / n),
+            sm_mhz_min=min(c for c, _, _ in samples),
+            power_w_mean=round(sum(w for _, w, _ in samples) / n, 1),
+            power_capped_share=round(sum(bool(r & self.POWER_CAP) for _, _, r in samples) / n, 3),
+        )
 
 
 def matmul_tflops(device, n=8192, warmup=3, iters=10) -> dict:
@@ -106,11 +153,11 @@ def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
     )
 
 
-def build(shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0):
+def build(shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0, ttt: int = 7):
     """Random-weight draft + target head and one synthetic packed batch of T tokens.
 
     loss_fraction < 1 masks the first (1 - loss_fraction) of every 256 tokens, as a chat sample's prompts
-    are masked; the batch's loss rows are chosen as training chooses them.
+    are masked; the batch's loss rows are chosen and laid out on the host, as training does.
     """
     H, V, K = shape["hidden"], shape["vocab"], shape["draft_vocab"]
     g = torch.Generator(device=device).manual_seed(seed)
@@ -149,7 +196,7 @@ def build(shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0
         final=torch.randn(T, H, device=device, generator=g).to(data_dtype),
         greedy_in_draft=torch.ones(T, dtype=torch.bool, device=device),  # every loss row weighted
     )
-    return draft, scorer, with_loss_rows(batch, LOSS_ROWS_MULTIPLE)
+    return draft, scorer, with_loss_rows(batch.to("cpu"), ttt, LOSS_ROWS_MULTIPLE).to(device)
 
 
 def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
@@ -186,7 +233,7 @@ def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, auto
 
 
 def profile_step(step, device, path: Path) -> str:
-    """torch.profiler table of one step (top kernels by device time) written to `path`."""
+    """torch.profiler table of one step (top kernels by their own device time) written to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -195,7 +242,7 @@ def profile_step(step, device, path: Path) -> str:
             step()
             sync(device)
         table = prof.key_averages().table(
-            sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=80
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=60, max_name_column_width=90
         )
         path.write_text(table)
         return str(path.name)
@@ -212,7 +259,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        draft, scorer, batch = build(shape, T, device, loss_fraction=args.loss_fraction)
+        draft, scorer, batch = build(shape, T, device, loss_fraction=args.loss_fraction, ttt=args.ttt)
         result["loss_fraction"] = args.loss_fraction
         compile_rest = variant == "compiled"
         if cuda:
@@ -232,17 +279,10 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
 
         def step() -> torch.Tensor:
             with autocast:
-                valid = step_valid(batch, args.ttt)
                 stats = ttt_forward(
-                    draft,
-                    batch,
-                    scorer.draft_probs(batch.loss_final),
-                    args.ttt,
-                    attention,
-                    valid,
-                    compile=compile_rest,
+                    draft, batch, scorer.draft_probs(batch.loss_final), args.ttt, attention, compile=compile_rest
                 )
-                loss = weighted_loss(stats, valid.sum(1).float(), weights)
+                loss = weighted_loss(stats, stats.count, weights)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
             optimizer.step()
@@ -258,17 +298,20 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         times = []
+        clocks = GpuClockLog(device)
         for _ in range(args.steps):
             sync(device)
             t0 = time.perf_counter()
             losses.append(step())
             sync(device)
             times.append(time.perf_counter() - t0)
+        result["gpu_clocks"] = clocks.stop()
         mean = sum(times) / len(times)
         fm = flops_per_token(shape, T, args.ttt)
         result.update(
             step_ms_mean=1e3 * mean,
             step_ms_min=1e3 * min(times),
+            step_ms=[round(1e3 * t, 2) for t in times],
             tokens_per_s=T / mean,
             achieved_tflops=fm["flops_per_token"] * T / mean / 1e12,
             mfu=fm["flops_per_token"] * T / mean / (matmul["tflops_mean"] * 1e12),
@@ -348,6 +391,7 @@ def main() -> int:
         print(
             f"T={r['T']} {r['variant']}: {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, "
             f"peak {r.get('peak_mem_gib', math.nan):.1f} GiB, loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+            + (f", SM clock {c['sm_mhz_mean']} MHz at {c['power_w_mean']} W" if (c := r.get("gpu_clocks")) else "")
         )
     return 0 if ok else 1
 

@@ -47,11 +47,11 @@ from .ttt import (
     make_attention,
     pack,
     pad_batch,
-    step_valid,
     step_weights,
     summarize,
     ttt_forward,
     weighted_loss,
+    with_greedy_in_draft,
     with_loss_rows,
 )
 
@@ -492,11 +492,9 @@ class TTTModule(nn.Module):
         super().__init__()
         self.draft, self.steps, self.attention, self.compile = draft, steps, attention, compile
 
-    def forward(self, batch: PackedBatch, target_probs: torch.Tensor, valid: torch.Tensor) -> TTTStats:
+    def forward(self, batch: PackedBatch, target_probs: torch.Tensor) -> TTTStats:
         _check_unsharded(self.draft)
-        return ttt_forward(
-            self.draft, batch, target_probs, self.steps, self.attention, valid, compile=self.compile
-        )
+        return ttt_forward(self.draft, batch, target_probs, self.steps, self.attention, compile=self.compile)
 
 
 def _check_unsharded(draft: Eagle3Draft) -> None:
@@ -666,7 +664,7 @@ def train(
             batch.greedy_in_draft = torch.cat([greedy_cache[i] for i in sample_ids])
         if compile_flex:  # compiled kernels are specialised to the length: a few length buckets
             batch = pad_batch(batch, compile_length_multiple(p["batch_tokens"]))
-        batch = with_loss_rows(batch, LOSS_ROWS_MULTIPLE if compile_flex else 1)
+        batch = with_loss_rows(batch, p["ttt_steps"], LOSS_ROWS_MULTIPLE if compile_flex else 1)
         return batch.pin_memory() if cuda else batch
 
     def make_batch(sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:
@@ -677,7 +675,7 @@ def train(
             for i, part in zip(sample_ids, greedy.split([lengths[i] for i in sample_ids]), strict=True):
                 greedy_cache[i] = part
             padding = greedy.new_zeros(batch.num_tokens - real)
-            batch.greedy_in_draft = torch.cat([greedy, padding]).to(device)
+            batch = with_greedy_in_draft(batch, torch.cat([greedy, padding]).to(device))
         return batch
 
     def evaluate() -> dict | None:
@@ -733,15 +731,14 @@ def train(
         if step + 1 < total_steps:
             next_loaded = prefetch.submit(load_step, step + 1)
         batches = [make_batch(b, pre) for b, pre in zip(my_micro, loaded, strict=True)]
-        valids = [step_valid(b, p["ttt_steps"]) for b in batches]
-        total_count = d.all_sum(sum(v.sum(1) for v in valids).float())
+        total_count = d.all_sum(sum(b.loss_weight.sum(1) for b in batches).float())
         sums = torch.zeros(3, p["ttt_steps"], device=device)
-        for i, (batch, valid) in enumerate(zip(batches, valids, strict=True)):
+        for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or d.world_size == 1
             if fsdp:  # FSDP2's no_sync: keep unsharded gradients, reduce-scatter after the last one
                 module.set_requires_gradient_sync(sync)
             with nullcontext() if sync or fsdp else module.no_sync(), autocast:
-                stats = module(batch, scorer.draft_probs(batch.loss_final), valid)
+                stats = module(batch, scorer.draft_probs(batch.loss_final))
                 # DDP and FSDP average gradients over ranks; the loss is already normalised globally
                 loss = weighted_loss(stats, total_count, weights) * d.world_size
             loss.backward()

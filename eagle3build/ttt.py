@@ -44,7 +44,10 @@ class PackedBatch:
     aux: torch.Tensor  # [N, 3*Ht]: aux streams, low -> mid -> high
     final: torch.Tensor  # [N, Ht]: final stream before the target's final norm
     greedy_in_draft: torch.Tensor | None = None  # bool [N]: target argmax (full vocab) at j is kept
-    loss_rows: torch.Tensor | None = None  # int64 [M]: the rows j the loss reads (None: all); see with_loss_rows
+    # The loss layout (with_loss_rows; None: every row, laid out by ttt_forward itself):
+    loss_rows: torch.Tensor | None = None  # int64 [M]: the target rows j the loss reads
+    loss_source: torch.Tensor | None = None  # int64 [k, M]: step s's output row for j, j - 1 - s (clamped)
+    loss_weight: torch.Tensor | None = None  # bool [k, M]: row j carries a loss at step s
 
     @property
     def num_tokens(self) -> int:
@@ -64,25 +67,14 @@ class PackedBatch:
         )
 
     def to(self, device, dtype=None) -> PackedBatch:
-        def move(t, float_dtype=None):
+        """On `device`; the hidden states (aux, final) also cast to `dtype` if given."""
+
+        def move(name, t):
             if t is None:
                 return None
-            return (
-                t.to(device=device, dtype=float_dtype, non_blocking=True)
-                if float_dtype
-                else t.to(device, non_blocking=True)
-            )
+            return t.to(device=device, dtype=dtype if name in ("aux", "final") else None, non_blocking=True)
 
-        return PackedBatch(
-            move(self.input_ids),
-            move(self.loss_mask),
-            move(self.doc),
-            move(self.position),
-            move(self.aux, dtype),
-            move(self.final, dtype),
-            move(self.greedy_in_draft),
-            move(self.loss_rows),
-        )
+        return PackedBatch(**{f.name: move(f.name, getattr(self, f.name)) for f in fields(self)})
 
 
 def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> PackedBatch:
@@ -140,18 +132,45 @@ def predicts_assistant_token(batch: PackedBatch) -> torch.Tensor:
     return shift(batch.loss_mask, 1, False) & (shift(batch.doc, 1, -1) == batch.doc)
 
 
-def with_loss_rows(batch: PackedBatch, multiple: int = 1) -> PackedBatch:
-    """The batch with `loss_rows`: the rows j whose predicted token x[j + 1] is an assistant token of j's
-    sample, padded with N (weight 0) to a multiple of `multiple` rows (compiled kernels see few shapes).
+def with_loss_rows(batch: PackedBatch, steps: int, multiple: int = 1) -> PackedBatch:
+    """The batch with its loss layout for `steps` TTT steps: the rows j whose predicted token x[j + 1] is
+    an assistant token of j's sample, padded with N (weight 0) to a multiple of `multiple` rows
+    (compiled kernels see few shapes), and each step's source row and weight there (`loss_layout`).
 
     Only these rows can carry a loss at any step, so the draft's lm_head, the loss and the target's
     restricted distribution are computed for them alone: on chat data, where prompts and system
-    messages are masked, that skips their share of the step's largest matmul. Chosen on the host from
-    the loss mask, so the step never waits for the GPU to count them.
+    messages are masked, that skips their share of the step's largest matmul. Laid out on the host
+    while the batch loads, so the training step launches none of these small index kernels (the GPU
+    would idle while the host launched them) and never waits for the GPU to count rows. Set
+    greedy_in_draft before, or fold it in later with `with_greedy_in_draft`.
     """
     rows = predicts_assistant_token(batch).nonzero().flatten()
     size = max(-(-len(rows) // multiple), 1) * multiple  # never 0 rows: compiled kernels specialise on 0
-    return replace(batch, loss_rows=torch.cat((rows, rows.new_full((size - len(rows),), batch.num_tokens))))
+    rows = torch.cat((rows, rows.new_full((size - len(rows),), batch.num_tokens)))
+    return loss_layout(batch, rows, steps)
+
+
+def loss_layout(batch: PackedBatch, rows: torch.Tensor, steps: int) -> PackedBatch:
+    """The batch with loss rows `rows` (N marks padding) and, per step s, the output row p = j - 1 - s
+    that predicts row j's target and whether it carries a loss: p inside the batch and in j's sample,
+    x[j + 1] an assistant token of that sample, and the target's greedy token at j in the draft vocab."""
+    n = batch.num_tokens
+    source = rows - 1 - torch.arange(steps, device=rows.device)[:, None]  # [S, M]
+    j = rows.clamp(max=n - 1)
+    weight = (source >= 0) & (rows < n) & predicts_assistant_token(batch)[j]
+    source = source.clamp(0, n - 1)
+    weight &= batch.doc[source] == batch.doc[j]
+    if batch.greedy_in_draft is not None:
+        weight &= batch.greedy_in_draft[j]
+    return replace(batch, loss_rows=rows, loss_source=source, loss_weight=weight)
+
+
+def with_greedy_in_draft(batch: PackedBatch, greedy: torch.Tensor) -> PackedBatch:
+    """The batch with the target's greedy-in-draft flags [N], folded into its loss weights if laid out."""
+    weight = batch.loss_weight
+    if weight is not None:
+        weight = weight & greedy[batch.loss_rows.clamp(max=batch.num_tokens - 1)]
+    return replace(batch, greedy_in_draft=greedy, loss_weight=weight)
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -367,19 +386,6 @@ class TTTStats:
         return TTTStats(self.loss_sum.detach(), self.correct, self.count)
 
 
-def step_valid(batch: PackedBatch, steps: int) -> torch.Tensor:
-    """bool [k, N]: rows that carry a loss at each step (see the module docstring)."""
-    n = batch.num_tokens
-    weight = predicts_assistant_token(batch)
-    if batch.greedy_in_draft is not None:
-        weight = weight & batch.greedy_in_draft
-    rows = []
-    for s in range(steps):
-        j_ok = shift(batch.doc, 1 + s, -1) == batch.doc  # j = p+1+s still inside p's sample
-        rows.append(shift(weight, 1 + s, False) & j_ok)
-    return torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.bool)
-
-
 def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_argmax, weight):
     """Per step, weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target
     argmax, and weight.
@@ -422,13 +428,12 @@ def ttt_forward(
     target_probs: torch.Tensor,
     steps: int,
     attention: Callable,
-    valid: torch.Tensor | None = None,
     compile: bool = False,
 ) -> TTTStats:
     """Unroll `steps` draft steps over a packed batch and return per-step loss sums and accuracy counts.
 
     target_probs: fp32 [M, K] from TargetScorer.draft_probs(batch.loss_final) (no gradient): the
-    target's distribution at the batch's loss rows (every row when it has none).
+    target's distribution at the batch's loss rows (with_loss_rows; every row when it has none).
     compile: torch.compile the per-step layer halves and the loss (static shapes: one compilation
     per batch length; pad or bucket lengths when they vary).
 
@@ -437,20 +442,19 @@ def ttt_forward(
     outside j's sample), so the target tensors serve every step as they are, and one loss call covers
     all steps.
     """
-    if valid is None:
-        valid = step_valid(batch, steps)
     n = batch.num_tokens
-    rows = batch.loss_rows if batch.loss_rows is not None else torch.arange(n, device=valid.device)
-    if len(target_probs) != len(rows):
-        raise ValueError(f"target_probs has {len(target_probs)} rows for {len(rows)} loss rows: score batch.loss_final")
+    if batch.loss_rows is None:  # every row, laid out here (training lays batches out on the host)
+        batch = loss_layout(batch, torch.arange(n, device=batch.doc.device), steps)
+    if len(target_probs) != len(batch.loss_rows):
+        raise ValueError(
+            f"target_probs has {len(target_probs)} rows for {len(batch.loss_rows)} loss rows: score batch.loss_final"
+        )
+    if len(batch.loss_weight) != steps:
+        raise ValueError(f"the batch's loss rows were laid out for {len(batch.loss_weight)} steps, not {steps}")
     scale = attention_scale(model.config)
     target_probs = target_probs.float()
     target_argmax = target_probs.argmax(-1)
-    # step s's output row for target row j is p = j - 1 - s; none before the batch or for padding (j = n)
-    source = rows - 1 - torch.arange(steps, device=rows.device)[:, None]  # [S, M]
-    in_batch = (source >= 0) & (rows < n)
-    source = source.clamp(0, n - 1)
-    weight = valid.to(target_probs.dtype).gather(1, source) * in_batch
+    source, weight = batch.loss_source, batch.loss_weight.to(target_probs.dtype)
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     fused = model.fused_weights(dtype)  # once per batch, shared by the steps
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)

@@ -14,10 +14,11 @@ from eagle3build.ttt import (
     TargetScorer,
     make_attention,
     pack,
-    step_valid,
     step_weights,
     ttt_forward,
     weighted_loss,
+    with_greedy_in_draft,
+    with_loss_rows,
 )
 
 torch.set_num_threads(2)
@@ -208,23 +209,31 @@ def test_flex_block_mask_is_the_causal_per_sample_mask():
     assert int(mask[0, 0, 7].sum()) == 2  # doc 2 position 1: two causal keys
 
 
-def test_step_valid_alignment():
-    """Step s, row p: predicts x[p+2+s] of its own sample, weighted by that token's loss mask."""
+def test_loss_layout_alignment():
+    """Step s predicts row j's target from its output row p = j - 1 - s of the same sample; row j carries
+    a loss when x[j + 1] is an assistant token and the target's greedy token at j is in the draft vocab."""
     ids = torch.arange(10)
     mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
     hidden = torch.zeros(10, 4, HT)
     batch = pack([(ids[:5], mask[:5], hidden[:5]), (ids[5:], mask[5:], hidden[5:])])
-    valid = step_valid(batch, 3)
-    # sample A (len 5, mask 0 0 1 1 1): step 0 rows p with mask[p+2]: p = 0, 1, 2
-    # sample B (len 5, mask 0 0 1 1 1 at 5..9): rows 5, 6, 7
-    assert valid[0].nonzero().flatten().tolist() == [0, 1, 2, 5, 6, 7]
-    assert valid[1].nonzero().flatten().tolist() == [0, 1, 5, 6]
-    assert valid[2].nonzero().flatten().tolist() == [0, 5]
-    batch.greedy_in_draft = torch.ones(10, dtype=torch.bool)
-    batch.greedy_in_draft[3] = False  # target greedy at j = 3 is outside the draft vocab
-    valid = step_valid(batch, 3)
-    assert valid[0].nonzero().flatten().tolist() == [0, 1, 5, 6, 7]  # p = 2 has j = 3
-    assert valid[1].nonzero().flatten().tolist() == [0, 5, 6]  # p = 1 has j = 3
+
+    def sources(b):  # per step, the output rows p that carry a loss
+        return [src[w].tolist() for src, w in zip(b.loss_source, b.loss_weight, strict=True)]
+
+    laid = with_loss_rows(batch, 3, multiple=4)
+    # sample A (0..4, mask 0 0 1 1 1) predicts x[2..4] from j = 1, 2, 3; sample B the same at 6, 7, 8
+    assert laid.loss_rows.tolist() == [1, 2, 3, 6, 7, 8, 10, 10]  # padded with N = 10 to a multiple of 4
+    assert sources(laid) == [[0, 1, 2, 5, 6, 7], [0, 1, 5, 6], [0, 5]]  # p >= 0 and inside j's sample
+    greedy = torch.ones(10, dtype=torch.bool)
+    greedy[3] = False  # the target's greedy token at j = 3 is outside the draft vocab
+    expected = [[0, 1, 5, 6, 7], [0, 5, 6], [5]]
+    batch.greedy_in_draft = greedy
+    assert sources(with_loss_rows(batch, 3, multiple=4)) == expected
+    # known only after the batch was laid out (a first epoch computes it on the GPU): folded in later
+    assert sources(with_greedy_in_draft(laid, greedy)) == expected
+    moved = with_loss_rows(batch, 3).to("cpu", torch.float16)
+    assert moved.aux.dtype == torch.float16 and moved.loss_weight.dtype == torch.bool
+    assert moved.loss_source.dtype == torch.int64
 
 
 def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():
@@ -249,14 +258,13 @@ def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():
     batch = pack(
         [(x, torch.ones(T, dtype=torch.bool), torch.cat([aux.view(T, 3, HT), torch.randn(T, 1, HT)], 1))]
     )
-    valid = torch.ones(1, T, dtype=torch.bool)
-    valid[0, -1] = False
-    stats = ttt_forward(model, batch, scorer.draft_probs(batch.final), 1, make_attention("reference"), valid)
+    stats = ttt_forward(model, batch, scorer.draft_probs(batch.final), 1, make_attention("reference"))
     out, _ = model.layer(
         x[1:].unsqueeze(0), model.fuse(aux[:-1]).unsqueeze(0), torch.arange(T - 1).unsqueeze(0)
     )
     logp = torch.log_softmax(model.logits(out[0]), -1)
-    expected = -(scorer.draft_probs(batch.final)[1:] * logp).sum()
+    # rows j = 1 .. T - 2 predict x[2 .. T - 1] (no greedy flags on this batch: every such row counts)
+    expected = -(scorer.draft_probs(batch.final)[1:-1] * logp[:-1]).sum()
     assert stats.loss_sum[0].item() == pytest.approx(expected.item(), rel=1e-5)
 
 

@@ -148,7 +148,7 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
 
     every, every_grads = run(batch)
     for multiple in (1, 8):
-        with_rows = with_loss_rows(batch, multiple)
+        with_rows = with_loss_rows(batch, 3, multiple)
         rows = with_rows.loss_rows
         assert len(rows) % multiple == 0 and len(rows) < batch.num_tokens  # prompts and padding are skipped
         assert int((rows < batch.num_tokens).sum()) == int(
@@ -160,9 +160,9 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
         assert got_grads.keys() == every_grads.keys()
         for name, grad in got_grads.items():
             assert torch.allclose(grad, every_grads[name], atol=1e-5), name
-    prompts_only = with_loss_rows(replace(batch, loss_mask=torch.zeros_like(batch.loss_mask)), 8)
+    prompts_only = with_loss_rows(replace(batch, loss_mask=torch.zeros_like(batch.loss_mask)), 3, 8)
     assert len(prompts_only.loss_rows) == 8  # padding only: compiled kernels never see 0 rows
     stats = ttt_forward(model, prompts_only, scorer.draft_probs(prompts_only.loss_final), 3, MathMergedAttention())
     assert float(stats.count.sum()) == 0 and float(stats.loss_sum.detach().abs().sum()) == 0
     with pytest.raises(ValueError, match="loss_final"):
-        ttt_forward(model, with_loss_rows(batch, 8), scorer.draft_probs(batch.final), 3, MathMergedAttention())
+        ttt_forward(model, with_loss_rows(batch, 3, 8), scorer.draft_probs(batch.final), 3, MathMergedAttention())
