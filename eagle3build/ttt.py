@@ -166,11 +166,11 @@ def loss_layout(batch: PackedBatch, rows: torch.Tensor, steps: int) -> PackedBat
 
 
 def with_greedy_in_draft(batch: PackedBatch, greedy: torch.Tensor) -> PackedBatch:
-    """The batch with the target's greedy-in-draft flags [N], folded into its loss weights if laid out."""
-    weight = batch.loss_weight
-    if weight is not None:
-        weight = weight & greedy[batch.loss_rows.clamp(max=batch.num_tokens - 1)]
-    return replace(batch, greedy_in_draft=greedy, loss_weight=weight)
+    """The batch with the target's greedy-in-draft flags [N], its loss layout (if any) redone with them."""
+    batch = replace(batch, greedy_in_draft=greedy)
+    if batch.loss_rows is None:
+        return batch
+    return loss_layout(batch, batch.loss_rows, len(batch.loss_weight))
 
 
 # ---------------------------------------------------------------------------------------------- target
