@@ -25,7 +25,8 @@ ENV EAGLE3_IMAGE="${VLLM_IMAGE}:${VLLM_TAG}@${VLLM_DIGEST}" \
     HF_HOME=/cache/huggingface \
     XDG_CACHE_HOME=/cache \
     VLLM_CACHE_ROOT=/cache/vllm \
-    TRITON_CACHE_DIR=/cache/triton
+    TRITON_CACHE_DIR=/cache/triton \
+    TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/eagle3build

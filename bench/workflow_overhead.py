@@ -115,6 +115,9 @@ def _no_log(text: str) -> str:
 ABLATIONS = {"shell_command": _shell_command, "shell_true": _shell_true, "static": _static, "no_log": _no_log}
 
 
+QUIET = ["--quiet"]  # --print-jobs empties it: both sides then print every job, as `make dry-run` does
+
+
 def project_dry_run(work: Path, shards: int, model: str, template: str | None, ablation: str | None = None
                     ) -> tuple[float, int]:
     wd = copy_workflow(work / f"project-{shards}-{ablation}")
@@ -137,7 +140,7 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None, a
     cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],
            "prepare": {"shard_size": 1}, "evaluate": {"sets": [{"name": "q", "path": "data.jsonl"}]}}
     (wd / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "snakemake", "--configfile", "cfg.yaml", "--cores", "2", "-n", "--quiet", "all",
+    cmd = [sys.executable, "-m", "snakemake", "--configfile", "cfg.yaml", "--cores", "2", "-n", *QUIET, "all",
            "--resources", "gpu=1"]
     timed(cmd, wd)  # warm: record-count cache, __pycache__
     return timed(cmd, wd), 4 * shards + 4
@@ -147,7 +150,7 @@ def snakefile_dry_run(wd: Path, snakefile: str, config: str) -> float:
     """Dry-run time of a bare workflow in `wd` (timed after one warm-up run)."""
     wd.mkdir()
     (wd / "Snakefile").write_text(snakefile)
-    cmd = [sys.executable, "-m", "snakemake", "--config", config, "--cores", "2", "-n", "--quiet", "all"]
+    cmd = [sys.executable, "-m", "snakemake", "--config", config, "--cores", "2", "-n", *QUIET, "all"]
     timed(cmd, wd)
     return timed(cmd, wd)
 
@@ -160,8 +163,11 @@ def main() -> int:
     p.add_argument("--template", default=str(ROOT / "tests" / "data" / "chat_template.jinja"))
     p.add_argument("--noop-config", default="config.yaml", help="config for the no-op `make run` timing ('' skips)")
     p.add_argument("--ablations", action="store_true", help="also time the project with directives stripped")
+    p.add_argument("--print-jobs", action="store_true", help="time dry-runs without --quiet (as `make dry-run`)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.print_jobs:
+        QUIET.clear()
     results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                           f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
                "date": date.today().isoformat(), "python": platform.python_version(), "rows": []}

@@ -20,6 +20,7 @@ tests/test_model_ttt.py checks them against a loop-by-loop implementation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -173,6 +174,21 @@ def with_greedy_in_draft(batch: PackedBatch, greedy: torch.Tensor) -> PackedBatc
     return loss_layout(batch, batch.loss_rows, len(batch.loss_weight))
 
 
+# ---------------------------------------------------------------------------------------------- compile
+def compiled(fn: Callable, **kwargs) -> Callable:
+    """torch.compile(fn, **kwargs), with Inductor's coordinate-descent tuning of its generated kernels on.
+
+    The tuning times a few block sizes for each fused elementwise/reduction kernel the first time it is
+    compiled (~2 extra minutes per batch length, kept in Inductor's on-disk cache: the image points
+    TORCHINDUCTOR_CACHE_DIR at /cache) and makes the training step ≈2% faster (BENCHMARKS.md §2).
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 turns it off.
+    """
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = os.environ.get("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1") == "1"
+    return torch.compile(fn, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------- target
 class TargetScorer:
     """The target's distribution from its stored final stream: final norm + lm_head (never [N, V] at once)."""
@@ -279,7 +295,7 @@ _MERGE_COMPILED = None
 def _merge_compiled():
     global _MERGE_COMPILED
     if _MERGE_COMPILED is None:
-        _MERGE_COMPILED = torch.compile(_merge)  # dynamic in the marked dims only
+        _MERGE_COMPILED = compiled(_merge)  # dynamic in the marked dims only
     return _MERGE_COMPILED
 
 
@@ -326,7 +342,7 @@ class FlexAttention(MergedAttention):
         from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
         self.create_block_mask = create_block_mask
-        self.flex_attention = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        self.flex_attention = compiled(flex_attention, dynamic=False) if compile else flex_attention
         self.aux_request = AuxRequest(lse=True)
         self.compile = compile
         self._doc = self._block_mask = None  # the batch the cached block mask belongs to
@@ -390,16 +406,20 @@ def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_a
     """Per step, weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target
     argmax, and weight.
 
-    hidden [S, M, H] (pre-norm, every step's rows at the loss rows, in target order); target_probs fp32
-    [M, K]; target_argmax [M]; weight [S, M] in {0, 1}. Returns three [S] tensors. The rows were chosen
+    hidden [M, S, H] (pre-norm, every step's row at each loss row, in target order); target_probs fp32
+    [M, K]; target_argmax [M]; weight [M, S] in {0, 1}. Returns three [S] tensors. The rows were chosen
     on the host (with_loss_rows); a row without a loss at some step is zeroed there rather than gathered
     out, so the step never waits on the host.
+
+    Rows are ordered (loss row, step) so that the k rows reading one target row run side by side and
+    read it once from memory rather than k times; and -Σ p·log_softmax(z) is written as
+    logsumexp(z)·Σp - Σ p·z, which one pass over the logits computes.
     """
-    logits = model.logits(hidden, fused)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    loss_sum = -(weight * (target_probs * logp).sum(-1)).sum(-1)
-    correct = (weight * (logits.argmax(-1) == target_argmax)).sum(-1)
-    return loss_sum, correct, weight.sum(-1)
+    logits = model.logits(hidden, fused).float()
+    p = target_probs.unsqueeze(1)  # [M, 1, K]: shared by the row's k steps
+    loss = torch.logsumexp(logits, dim=-1) * p.sum(-1) - (p * logits).sum(-1)  # [M, S]
+    correct = (weight * (logits.argmax(-1) == target_argmax.unsqueeze(1))).sum(0)
+    return (weight * loss).sum(0), correct, weight.sum(0)
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -410,7 +430,7 @@ def _kernel(fn: Callable, compile: bool) -> Callable:
     if not compile:
         return fn
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
+        _COMPILED[fn.__name__] = compiled(fn, dynamic=False)
     return _COMPILED[fn.__name__]
 
 
@@ -454,7 +474,7 @@ def ttt_forward(
     scale = attention_scale(model.config)
     target_probs = target_probs.float()
     target_argmax = target_probs.argmax(-1)
-    source, weight = batch.loss_source, batch.loss_weight.to(target_probs.dtype)
+    source, weight = batch.loss_source, batch.loss_weight.T.to(target_probs.dtype, memory_format=torch.contiguous_format)
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     fused = model.fused_weights(dtype)  # once per batch, shared by the steps
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
@@ -472,9 +492,9 @@ def ttt_forward(
         values.append(v)
         hidden = layer_out(model, fused, attention(q, keys, values, batch.doc, s, scale), residual)
         at_target.append(hidden[0, source[s]])
-    at_target = torch.stack(at_target)  # [S, M, H]
+    at_target = torch.stack(at_target, dim=1)  # [M, S, H]
     if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them
-        for t, dim in ((at_target, 1), (target_probs, 0), (target_argmax, 0), (weight, 1)):
+        for t, dim in ((at_target, 0), (target_probs, 0), (target_argmax, 0), (weight, 0)):
             torch._dynamo.mark_dynamic(t, dim)
     # Every step's loss at once: no step reads the previous step's logits (it reads its hidden state),
     # so the lm_head is one matmul over all steps, and so is its weight gradient (k matmuls and k - 1
