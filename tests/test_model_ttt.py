@@ -274,3 +274,18 @@ def test_lm_head_initialised_from_target_rows_and_d2t_maps():
     assert torch.equal(model.lm_head.weight, target.lm_head[kept])
     assert torch.equal(model.draft_to_target(torch.arange(K)), kept)
     assert bool(model.t2d[kept].all()) and int(model.t2d.sum()) == K
+
+
+def test_compiled_tuning_follows_the_environment(monkeypatch):
+    """Coordinate-descent tuning is on unless TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 (the documented off switch)."""
+    import torch._inductor.config as inductor_config
+
+    from eagle3build.ttt import compiled
+
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", inductor_config.coordinate_descent_tuning)
+    monkeypatch.delenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", raising=False)
+    compiled(torch.neg)
+    assert inductor_config.coordinate_descent_tuning is True
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
+    compiled(torch.neg)
+    assert inductor_config.coordinate_descent_tuning is False
