@@ -27,8 +27,8 @@ HF_CACHE ?= $(HOME)/.cache/huggingface
 DOCKER_CACHE ?= $(HOME)/.cache/eagle3build
 # Host variables handed to the container when they are set (a bare `-e NAME` copies the host's value).
 DOCKER_ENV ?= HF_TOKEN HUGGING_FACE_HUB_TOKEN CUDA_VISIBLE_DEVICES
-# plus every NCCL_* / TORCH_NCCL_* / VLLM_* variable set in the environment or on the make command line.
-DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,$(filter NCCL_% TORCH_NCCL_% VLLM_%,$(.VARIABLES)),\
+# plus every NCCL_* / TORCH_NCCL_* / VLLM_* / TORCHINDUCTOR_* variable set in the environment or on the make command line.
+DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,$(filter NCCL_% TORCH_NCCL_% VLLM_% TORCHINDUCTOR_%,$(.VARIABLES)),\
 	$(if $(filter environment% command%,$(origin $(v))),$(v))))
 DOCKER_RUN_ARGS ?=
 

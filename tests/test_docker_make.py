@@ -27,7 +27,7 @@ def makefile_args() -> list[str]:
 
 def expand(target: str, *args: str, env: dict | None = None) -> list[list[str]]:
     """The commands `make -n` prints for a target, each split like a shell would."""
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "VLLM_", "TORCH_NCCL_"))}
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "VLLM_", "TORCH_NCCL_", "TORCHINDUCTOR_"))}
     run_env.update(env or {})
     out = subprocess.run(
         ["make", "-n", "--no-print-directory", *makefile_args(), target, *args],
@@ -72,10 +72,11 @@ def image_tag() -> str:
 
 
 def test_environment_passthrough_names_but_never_copies_values():
-    env = {"HF_TOKEN": "secret-token", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "UNRELATED": "x"}
+    env = {"HF_TOKEN": "secret-token", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "UNRELATED": "x",
+           "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "0"}  # fmt: skip
     cmd = docker_command("docker-run", env=env)
     flags = env_flags(cmd)
-    for name in ("HF_TOKEN", "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_IB_DISABLE"):
+    for name in ("HF_TOKEN", "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_IB_DISABLE", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"):
         assert name in flags  # a bare `-e NAME`: docker copies the value, the command line never shows it
     assert "UNRELATED" not in flags and "secret-token" not in " ".join(cmd)
     assert not [f for f in flags if f.startswith("VLLM_TAG")]  # make's own variables are not environment
