@@ -115,11 +115,8 @@ def _no_log(text: str) -> str:
 ABLATIONS = {"shell_command": _shell_command, "shell_true": _shell_true, "static": _static, "no_log": _no_log}
 
 
-QUIET = ["--quiet"]  # --print-jobs empties it: both sides then print every job, as `make dry-run` does
-
-
-def project_dry_run(work: Path, shards: int, model: str, template: str | None, ablation: str | None = None
-                    ) -> tuple[float, int]:
+def project_dry_run(work: Path, shards: int, model: str, template: str | None, quiet: list[str],
+                    ablation: str | None = None) -> tuple[float, int]:
     wd = copy_workflow(work / f"project-{shards}-{ablation}")
     if ablation:
         for smk in (wd / "rules").glob("*.smk"):
@@ -140,17 +137,17 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None, a
     cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],
            "prepare": {"shard_size": 1}, "evaluate": {"sets": [{"name": "q", "path": "data.jsonl"}]}}
     (wd / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "snakemake", "--configfile", "cfg.yaml", "--cores", "2", "-n", *QUIET, "all",
+    cmd = [sys.executable, "-m", "snakemake", "--configfile", "cfg.yaml", "--cores", "2", "-n", *quiet, "all",
            "--resources", "gpu=1"]
     timed(cmd, wd)  # warm: record-count cache, __pycache__
     return timed(cmd, wd), 4 * shards + 4
 
 
-def snakefile_dry_run(wd: Path, snakefile: str, config: str) -> float:
+def snakefile_dry_run(wd: Path, snakefile: str, config: str, quiet: list[str]) -> float:
     """Dry-run time of a bare workflow in `wd` (timed after one warm-up run)."""
     wd.mkdir()
     (wd / "Snakefile").write_text(snakefile)
-    cmd = [sys.executable, "-m", "snakemake", "--config", config, "--cores", "2", "-n", *QUIET, "all"]
+    cmd = [sys.executable, "-m", "snakemake", "--config", config, "--cores", "2", "-n", *quiet, "all"]
     timed(cmd, wd)
     return timed(cmd, wd)
 
@@ -163,11 +160,10 @@ def main() -> int:
     p.add_argument("--template", default=str(ROOT / "tests" / "data" / "chat_template.jinja"))
     p.add_argument("--noop-config", default="config.yaml", help="config for the no-op `make run` timing ('' skips)")
     p.add_argument("--ablations", action="store_true", help="also time the project with directives stripped")
-    p.add_argument("--print-jobs", action="store_true", help="time dry-runs without --quiet (as `make dry-run`)")
+    p.add_argument("--no-quiet", action="store_true", help="time dry-runs as `make dry-run` runs them, without --quiet")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    if args.print_jobs:
-        QUIET.clear()
+    quiet = [] if args.no_quiet else ["--quiet"]  # --quiet drops each job's "reason:" line (jobs are printed either way)
     results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                           f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
                "date": date.today().isoformat(), "python": platform.python_version(), "rows": []}
@@ -177,12 +173,12 @@ def main() -> int:
             proj, bare, chain = [], [], []
             ablated = {name: [] for name in (ABLATIONS if args.ablations else ())}
             for r in range(args.repeats):  # interleaved: this VM's speed drifts between runs
-                t, jobs = project_dry_run(work / f"r{r}", shards, args.model, args.template)
+                t, jobs = project_dry_run(work / f"r{r}", shards, args.model, args.template, quiet)
                 proj.append(t)
                 for name, times in ablated.items():
-                    times.append(project_dry_run(work / f"r{r}", shards, args.model, args.template, name)[0])
-                bare.append(snakefile_dry_run(work / f"r{r}" / f"bare-{jobs}", BARE, f"njobs={jobs - 1}"))
-                chain.append(snakefile_dry_run(work / f"r{r}" / f"chain-{shards}", BARE_CHAIN, f"shards={shards}"))
+                    times.append(project_dry_run(work / f"r{r}", shards, args.model, args.template, quiet, name)[0])
+                bare.append(snakefile_dry_run(work / f"r{r}" / f"bare-{jobs}", BARE, f"njobs={jobs - 1}", quiet))
+                chain.append(snakefile_dry_run(work / f"r{r}" / f"chain-{shards}", BARE_CHAIN, f"shards={shards}", quiet))
             row = {"shards": shards, "jobs": jobs, "project_s": min(proj), "bare_s": min(bare),
                    "bare_chain_s": min(chain), "ratio": min(proj) / min(bare),
                    "ratio_vs_bare_chain": min(proj) / min(chain)}
