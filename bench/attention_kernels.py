@@ -16,11 +16,16 @@ import argparse
 import inspect
 import json
 import platform
+import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3build.ttt import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -68,10 +73,10 @@ def main() -> int:
     block_mask = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (doc[ki] == doc[qi]), None, None, T, T, device=dev)
     aux = AuxRequest(lse=True)
 
-    def flex(compiled, options=None):
+    def flex(attend, options=None):
         def fn():
-            out, a = compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux,
-                              kernel_options=options)
+            out, a = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux,
+                            kernel_options=options)
             return out, a.lse
         return fn
 
@@ -89,15 +94,15 @@ def main() -> int:
                                       scale=scale, window_size=(-1, 0), **extra)
         return out.transpose(0, 1).unsqueeze(0), lse.reshape(1, HEADS, T)
 
-    impls = {"flex, as trained (torch.compile, default blocks)": flex(torch.compile(flex_attention, dynamic=False))}
+    impls = {"flex, as trained (ttt.compiled, default blocks)": flex(compiled(flex_attention, dynamic=False))}
     if args.autotune:
-        impls["flex, max-autotune"] = flex(torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs"))
+        impls["flex, max-autotune"] = flex(compiled(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs"))
     for opts in (dict(USE_TMA=True),
                  dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                  dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2),
                  dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
                  dict(USE_TMA=True, PRESCALE_QK=True)):
-        impls[f"flex, {opts}"] = flex(torch.compile(flex_attention, dynamic=False), opts)
+        impls[f"flex, {opts}"] = flex(compiled(flex_attention, dynamic=False), opts)
     impls[f"varlen_attn (FlashAttention-2{'' if has_gqa else ', KV heads repeated'})"] = varlen_fa2
 
     with torch.no_grad():
