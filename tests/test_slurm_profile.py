@@ -26,6 +26,10 @@ def test_profile_targets_slurm_with_per_rule_gpu_resources():
     cfg = profile()
     assert cfg["executor"] == "slurm" and cfg["jobs"] >= 1 and cfg["latency-wait"] >= 30
     assert {"runtime", "mem_mb"} <= set(cfg["default-resources"])
+    # It replaces profiles/default, so it must keep its staleness rule: no `code` trigger (a pulled
+    # rule script must not rerun every extraction; test_workflow checks that on a real build).
+    local = yaml.safe_load((REPO / "profiles" / "default" / "config.yaml").read_text())
+    assert cfg["rerun-triggers"] == local["rerun-triggers"] and "code" not in cfg["rerun-triggers"]
     per_rule = cfg["set-resources"]
     assert set(per_rule) <= RULES, f"unknown rules: {set(per_rule) - RULES}"
     for rule in GPU_RULES:
