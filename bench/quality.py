@@ -244,7 +244,7 @@ def extract_hidden(args, work: Path, variant: str, layers: str) -> tuple[list[st
     import torch
 
     from eagle3build.config import default_aux_layer_ids
-    from eagle3build.extract import Extractor
+    from eagle3build.extractor import Extractor
 
     n_layers = json.loads((Path(args.model) / "config.json").read_text())["num_hidden_layers"]
     layer_ids = {"aux": default_aux_layer_ids(n_layers), "final": [n_layers - 1] * 3}[layers]

@@ -1,18 +1,17 @@
-"""Hidden-state extraction, Hugging Face backend.
-
-`Extractor` loads the target once and turns token shards into hidden shards. It captures, with
-forward pre-hooks, the residual stream *entering* each aux layer (= HF `hidden_states[L]`) and the
-stream entering the final norm (the pre-norm final state; HF's own `hidden_states[-1]` is post-norm),
-so no logits and no extra hidden states are materialised. Samples are sorted by length and batched
-under a token budget (right padding never changes a causal model's states at real positions); only
-real tokens are stored, packed back to back, by a writer thread that overlaps disk writes with compute.
+"""Hidden-state extraction, Hugging Face backend: the shard jobs' side.
 
 Snakemake runs one job per shard, each in its own process. So that the model is loaded once per
 extraction run rather than once per shard, shard jobs are clients of one extraction server per device
-(`python -m eagle3build.extract serve`), started by the first job that needs it, shared through a state
-file under a lock, stopped by the workflow's onsuccess/onerror hooks (`stop_servers`) or after an idle
-timeout. A job picks a free device by taking an exclusive `flock` on that device's slot file, so
-concurrent jobs never share a GPU and a crashed job frees its slot automatically.
+(`python -m eagle3build.extract serve`, the model side in `eagle3build.extractor`), started by the first
+job that needs it, shared through a state file under a lock, stopped by the workflow's onsuccess/onerror
+hooks (`stop_servers`) or after an idle timeout. A job picks a free device by taking an exclusive `flock`
+on that device's slot file, so concurrent jobs never share a GPU and a crashed job frees its slot
+automatically.
+
+This module imports no torch: a job's start-up is time its GPU sits idle (jobs run one after the other
+on each device), and importing torch and initialising CUDA would cost ≈1 s of it per shard
+(BENCHMARKS.md §4). The device list is therefore found once per run and host (`visible_devices`), and
+the disk check runs in the server, which has the model's hidden size at hand.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
-import shutil
 import signal
 import socket
 import struct
@@ -33,10 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
+from .atomic import write_json_atomic
 from .errors import UserError
-from .shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
 
 DEFAULTS = {
     "backend": "hf",
@@ -51,146 +46,40 @@ DEFAULTS = {
 }
 
 
-# ---------------------------------------------------------------- the model side
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}[name]
-    except KeyError:
-        raise UserError(f"config key 'target.dtype': '{name}' is not one of auto, bfloat16, float16, float32") from None
-
-
-def length_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Group sample indices, longest first, so each padded batch (B x longest) fits the token budget."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and ((len(cur) + 1) * longest > batch_tokens or len(cur) >= max_batch_size):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-class Extractor:
-    """A target model loaded once, with hooks that capture the aux and final streams."""
-
-    def __init__(self, model: str, aux_layer_ids: list[int], device: str = "cpu", dtype: str = "auto",
-                 revision: str | None = None, trust_remote_code: bool = False):
-        from transformers import AutoModelForCausalLM
-
-        self.device = device
-        self.dtype = resolve_dtype(dtype, device)
-        self.model_id, self.revision = model, revision
-        lm = AutoModelForCausalLM.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code,
-                                                  dtype=self.dtype)
-        base = lm.get_decoder()
-        layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
-        if layers is None or norm is None:
-            raise UserError(f"{model}: the HF backend needs a decoder with `.layers` and a final `.norm` "
-                            f"({type(base).__name__} has not); use extract.backend: vllm")
-        n = len(layers)
-        bad = [i for i in aux_layer_ids if not 0 <= i < n]
-        if len(aux_layer_ids) != 3 or bad:
-            raise UserError(f"config key 'extract.aux_layer_ids': {aux_layer_ids} must be three ids in [0, {n - 1}] "
-                            f"for this {n}-layer target (default: 2, {n // 2}, {n - 3})")
-        self.aux_layer_ids = list(aux_layer_ids)
-        self.layer_ids = self.aux_layer_ids + [n]
-        self.hidden_size = lm.config.get_text_config().hidden_size
-        # Drop the lm_head: extraction never needs logits over the vocabulary.
-        self.base = base.to(device).eval()
-        del lm
-        self._captured: dict[int, torch.Tensor] = {}
-        for slot, module in enumerate([layers[i] for i in self.aux_layer_ids] + [norm]):
-            module.register_forward_pre_hook(self._hook(slot), with_kwargs=True)
-
-    def _hook(self, slot: int):
-        def capture(module, args, kwargs):
-            self._captured[slot] = args[0] if args else kwargs["hidden_states"]
-        return capture
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] -> the states at `rows` (flat indices into B*T), packed: [len(rows), 4, H]
-        (three aux streams, then the pre-norm final stream)."""
-        self._captured.clear()
-        self.base(input_ids=ids, attention_mask=attention_mask, use_cache=False)
-        return torch.stack([self._captured[s].flatten(0, 1).index_select(0, rows) for s in range(4)], dim=1)
-
-    def extract_shard(self, tokens_path: str, out_path: str, storage_dtype: str, batch_tokens: int,
-                      max_batch_size: int = 64, meta: dict | None = None, progress: bool = True) -> dict:
-        shard = read_tokens(tokens_path)
-        lengths = shard.lengths
-        meta = {"model": str(self.model_id), "revision": self.revision or "", "layer_ids": self.layer_ids,
-                "backend": "hf", "model_dtype": str(self.dtype).removeprefix("torch."), **(meta or {})}
-        t0 = time.perf_counter()
-        bar = _progress(total=int(shard.input_ids.numel()), desc=Path(out_path).name, enabled=progress)
-        with HiddenShardWriter(out_path, shard.input_ids, shard.loss_mask, shard.cu_seqlens, self.hidden_size,
-                               storage_dtype, meta) as writer:
-            # Pinned inputs copied with non_blocking: a pageable host-to-device copy synchronises the stream,
-            # which would stall the queue of forwards behind every batch.
-            pin = self.device.startswith("cuda")
-            for batch in length_batches(lengths, batch_tokens, max_batch_size):
-                longest = lengths[batch[0]]
-                ids = torch.zeros(len(batch), longest, dtype=torch.long, pin_memory=pin)
-                mask = torch.zeros(len(batch), longest, dtype=torch.long, pin_memory=pin)
-                spans = []
-                for row, i in enumerate(batch):
-                    a, b = int(shard.cu_seqlens[i]), int(shard.cu_seqlens[i + 1])
-                    ids[row, : b - a] = shard.input_ids[a:b]
-                    mask[row, : b - a] = 1
-                    spans.append((a, b - a))
-                # Real positions as flat indices computed here, so packing them needs no device sync.
-                real = torch.cat([torch.arange(n) + row * longest for row, (_, n) in enumerate(spans)])
-                real = real.pin_memory() if pin else real
-                states = self.forward(*(t.to(self.device, non_blocking=True) for t in (ids, mask, real)))
-                writer.write_batch(spans, states)
-                bar.update(int(real.numel()))
-        bar.close()
-        seconds = time.perf_counter() - t0
-        tokens = int(sum(lengths))
-        return {"tokens": tokens, "samples": len(lengths), "seconds": seconds,
-                "tokens_per_s": tokens / max(seconds, 1e-9)}
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not enabled, file=sys.stderr,
-                mininterval=2.0)
-
-
-# ---------------------------------------------------------------- disk estimate
-def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage_dtype: str,
-               reserve_gb: float) -> int:
-    """Refuse (UserError) unless the disk holds every listed, not yet extracted shard. Returns bytes needed."""
-    per_token = hidden_bytes_per_token(hidden_size, storage_dtype)
-    need = sum(int(read_meta(p)["num_tokens"]) * per_token for p in tokens_paths)
-    folder = Path(out_path).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    reserve = int(reserve_gb * 1e9)
-    if need + reserve > free:
-        raise UserError(f"{folder}: extraction needs {need / 1e9:.2f} GB for {len(tokens_paths)} shard(s) "
-                        f"({per_token} bytes/token, {storage_dtype}) + {reserve_gb} GB reserve, but only "
-                        f"{free / 1e9:.2f} GB is free. Free space, move output_root, or set "
-                        f"extract.storage_dtype: fp8 (halves the bytes)")
-    return need
-
-
 # ---------------------------------------------------------------- devices
-def visible_devices(spec) -> list[str]:
+def visible_devices(spec, run_dir: str | os.PathLike | None = None) -> list[str]:
+    """The devices `extract.devices` names; "auto": every CUDA device torch sees, else the CPU."""
     if spec in (None, "auto"):
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+        return _cuda_devices(run_dir) or ["cpu"]
     if isinstance(spec, str):
         spec = [s.strip() for s in spec.split(",") if s.strip()]
     return [f"cuda:{d}" if isinstance(d, int) or str(d).isdigit() else str(d) for d in spec]
+
+
+def _cuda_devices(run_dir: str | os.PathLike | None) -> list[str]:
+    """torch's CUDA devices, remembered in run_dir for the rest of the run (`forget_devices` at its start and
+    end), keyed on what decides them here: the host (a container has its own) and the two
+    variables that select GPUs. Only the first job of a run on a host pays for importing torch."""
+    key = {"host": socket.gethostname(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "NVIDIA_VISIBLE_DEVICES": os.environ.get("NVIDIA_VISIBLE_DEVICES")}
+    cache = Path(run_dir) / f"devices-{key['host']}.json" if run_dir is not None else None
+    if cache is not None:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
+            known = json.loads(cache.read_text())
+            if known["key"] == key:
+                return list(known["devices"])
+    import torch
+
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    if cache is not None:
+        write_json_atomic(cache, {"key": key, "devices": devices})
+    return devices
+
+
+def forget_devices(run_dir: str | os.PathLike) -> None:
+    """Drop the remembered device lists: the next run looks again (GPUs may come and go between runs)."""
+    for cache in Path(run_dir).glob("devices-*.json"):
+        cache.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -247,53 +136,6 @@ def identity_of(target: dict, aux_layer_ids: list[int], device: str) -> dict:
 
 def _state_path(run_dir: Path, index: int) -> Path:
     return run_dir / f"hf-server-{index}.json"
-
-
-def serve(identity: dict, state_file: str, idle_s: float) -> None:
-    """Run an extraction server until idle for `idle_s` seconds (or SIGTERM)."""
-    extractor = Extractor(identity["model"], identity["aux_layer_ids"], identity["device"], identity["dtype"],
-                          identity["revision"], identity["trust_remote_code"])
-    token = secrets.token_hex(16)
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(1.0)
-    state = {"pid": os.getpid(), "port": listener.getsockname()[1], "token": token, "identity": identity}
-    tmp = Path(state_file).with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    os.replace(tmp, state_file)
-    print(f"extraction server ready: {identity} on port {state['port']}", flush=True)
-    last = time.monotonic()
-    while time.monotonic() - last < idle_s:
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            conn.settimeout(None)
-            try:
-                req = _recv(conn)
-                if req.get("token") != token:
-                    _send(conn, {"ok": False, "error": "bad token"})
-                    continue
-                print(f"extract {req['tokens']} -> {req['out']}", flush=True)
-                stats = extractor.extract_shard(req["tokens"], req["out"], req["storage_dtype"], req["batch_tokens"],
-                                                req.get("max_batch_size", 64), req.get("meta"), progress=True)
-                print(f"done {stats}", flush=True)
-                _send(conn, {"ok": True, **stats})
-            except UserError as e:
-                _send(conn, {"ok": False, "error": str(e), "user_error": True})
-            except Exception as e:  # report to the client, keep serving
-                import traceback
-
-                traceback.print_exc()
-                with contextlib.suppress(OSError):
-                    _send(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
-        last = time.monotonic()
-    print("idle timeout: exiting", flush=True)
-    with contextlib.suppress(FileNotFoundError):
-        if json.loads(Path(state_file).read_text()).get("pid") == os.getpid():
-            os.unlink(state_file)
 
 
 def _alive(pid: int) -> bool:
@@ -364,6 +206,7 @@ def stop_servers(run_dir: str | os.PathLike) -> int:
                 _stop_pid(pid)
                 stopped += 1
             state_file.unlink(missing_ok=True)
+    forget_devices(run_dir)
     return stopped
 
 
@@ -383,22 +226,21 @@ def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, r
     for the disk check (defaults to this shard alone).
     """
     params = {**DEFAULTS, **params}
-    hidden_size = _hidden_size(target)
-    check_disk(out_path, pending_tokens or [tokens_path], hidden_size, params["storage_dtype"],
-               params["disk_reserve_gb"])
-    meta = {"image": params.get("image") or ""}
-    devices = visible_devices(params["devices"])
     run_dir = Path(run_dir)
+    devices = visible_devices(params["devices"], run_dir)
+    request = {"tokens": str(Path(tokens_path).resolve()), "out": str(Path(out_path).resolve()),
+               "pending": [str(Path(t).resolve()) for t in pending_tokens or [tokens_path]],
+               "disk_reserve_gb": float(params["disk_reserve_gb"]), "storage_dtype": params["storage_dtype"],
+               "batch_tokens": int(params["batch_tokens"]), "max_batch_size": int(params["max_batch_size"]),
+               "meta": {"image": params.get("image") or ""}}
     with device_slot(run_dir, devices) as index:
         identity = identity_of(target, params["aux_layer_ids"], devices[index])
-        request = {"tokens": str(Path(tokens_path).resolve()), "out": str(Path(out_path).resolve()),
-                   "storage_dtype": params["storage_dtype"], "batch_tokens": int(params["batch_tokens"]),
-                   "max_batch_size": int(params["max_batch_size"]), "meta": meta}
         if not params["server"]:
+            from .extractor import Extractor, run_request
+
             ex = Extractor(identity["model"], identity["aux_layer_ids"], identity["device"], identity["dtype"],
                            identity["revision"], identity["trust_remote_code"])
-            return ex.extract_shard(request["tokens"], request["out"], request["storage_dtype"],
-                                    request["batch_tokens"], request["max_batch_size"], meta)
+            return run_request(ex, request)
         state = ensure_server(run_dir, index, identity, params)
         try:
             reply = _request(state, request)
@@ -422,12 +264,6 @@ def pending_token_shards(out_root: str, this_shard: str | None = None) -> list[s
     return sorted(pending)
 
 
-def _hidden_size(target: dict) -> int:
-    from .config import target_text_config
-
-    return int(target_text_config(target)["hidden_size"])
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle3build.extract")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -439,11 +275,10 @@ def main(argv=None) -> int:
     st.add_argument("run_dir")
     args = p.parse_args(argv)
     if args.cmd == "serve":
+        from .extractor import serve
+
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        identity = json.loads(args.identity)
-        if identity["device"].startswith("cuda"):
-            torch.cuda.set_device(identity["device"])
-        serve(identity, args.state_file, args.idle_s)
+        serve(json.loads(args.identity), args.state_file, args.idle_s)
     else:
         print(f"stopped {stop_servers(args.run_dir)} server(s)")
     return 0

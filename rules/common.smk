@@ -123,8 +123,10 @@ def stop_extraction_servers():
 def preflight():
     """Before jobs run (not on dry-runs): fail in seconds when the pieces do not fit."""
     from eagle3build.doctor import preflight as check
+    from eagle3build.extract import forget_devices
 
     check(config, "extract", echo=print)
+    forget_devices(RUN_DIR)  # shard jobs look up the GPUs once per run (eagle3build/extract.py)
 
 
 def target_weight_files():

@@ -5,22 +5,21 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3build.errors import UserError
-from eagle3build.extract import (
-    Extractor,
-    check_disk,
-    device_slot,
-    extract_shard,
-    length_batches,
-    stop_servers,
-)
+from eagle3build.extract import device_slot, extract_shard, forget_devices, stop_servers, visible_devices
+from eagle3build.extractor import Extractor, check_disk, length_batches
 from eagle3build.shards import read_hidden, read_meta, write_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_token_shard(path, vocab, lengths, seed=0):
@@ -160,6 +159,15 @@ def test_server_loads_once_and_serves_several_shards(tiny_llama, tmp_path):
         reply = extract_shard(str(tmp_path / "t0.safetensors"), str(tmp_path / "h2.safetensors"), target,
                               {**params, "aux_layer_ids": [0, 2, 5]}, str(run_dir))
         assert read_meta(tmp_path / "h2.safetensors")["layer_ids"] == [0, 2, 5, 6]
+        # The disk check runs in the server (the job imports no torch): a refusal names the numbers and the fix,
+        # writes nothing, and the server goes on serving.
+        with pytest.raises(UserError, match=r"needs .* GB .* free.*storage_dtype: fp8"):
+            extract_shard(str(tmp_path / "t1.safetensors"), str(tmp_path / "h3.safetensors"), target,
+                          {**params, "aux_layer_ids": [0, 2, 5], "disk_reserve_gb": 1e9}, str(run_dir))
+        assert not (tmp_path / "h3.safetensors").exists()
+        reply = extract_shard(str(tmp_path / "t1.safetensors"), str(tmp_path / "h3.safetensors"), target,
+                              {**params, "aux_layer_ids": [0, 2, 5]}, str(run_dir))
+        assert reply["ok"] and (run_dir / "hf-server-0.log").read_text().count("extraction server ready") == 2
     finally:
         assert stop_servers(run_dir) >= 1
     assert not list(run_dir.glob("hf-server-*.json"))
@@ -174,3 +182,29 @@ def test_server_start_failure_reports_log(tmp_path):
         extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "h.safetensors"), target,
                       {"aux_layer_ids": [0, 1, 2], "devices": ["cpu"]}, str(tmp_path / "run"))
     assert not (tmp_path / "h.safetensors").exists()
+
+
+def test_shard_job_side_imports_no_torch(tmp_path):
+    """A shard job is a client of the server: importing torch (~1 s) would idle the GPU for it every shard."""
+    code = ("import sys, eagle3build.extract as e; e.pending_token_shards('.'); "
+            "assert 'torch' not in sys.modules, 'the job side imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_device_list_is_looked_up_once_per_run_and_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # torch sees no GPU: "auto" is the CPU
+    assert visible_devices("auto", tmp_path) == ["cpu"]
+    (cache,) = tmp_path.glob("devices-*.json")
+    # Later jobs read the list without torch; a file for this host and these variables says what they get.
+    known = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**known, "devices": ["cuda:0", "cuda:1"]}))
+    code = ("import sys, eagle3build.extract as e; print(e.visible_devices('auto', sys.argv[1])); "
+            "assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert out.strip() == "['cuda:0', 'cuda:1']"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # other GPUs selected: looked up again
+    assert visible_devices("auto", tmp_path) == ["cpu"]
+    assert visible_devices(["cuda:3", 1], tmp_path) == ["cuda:3", "cuda:1"]  # an explicit list is taken as is
+    forget_devices(tmp_path)  # at the start of every run, and by stop_servers at its end
+    assert not list(tmp_path.glob("devices-*.json"))

@@ -1,0 +1,216 @@
+"""Hidden-state extraction, Hugging Face backend: the model side (loaded by the extraction server).
+
+`Extractor` loads the target once and turns token shards into hidden shards. It captures, with
+forward pre-hooks, the residual stream *entering* each aux layer (= HF `hidden_states[L]`) and the
+stream entering the final norm (the pre-norm final state; HF's own `hidden_states[-1]` is post-norm),
+so no logits and no extra hidden states are materialised. Samples are sorted by length and batched
+under a token budget (right padding never changes a causal model's states at real positions); only
+real tokens are stored, packed back to back, by a writer thread that overlaps disk writes with compute.
+
+`serve` runs it behind the socket of `eagle3build.extract` (the shard jobs' side, which imports no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .extract import _recv, _send
+from .shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}[name]
+    except KeyError:
+        raise UserError(f"config key 'target.dtype': '{name}' is not one of auto, bfloat16, float16, float32") from None
+
+
+def length_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Group sample indices, longest first, so each padded batch (B x longest) fits the token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and ((len(cur) + 1) * longest > batch_tokens or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class Extractor:
+    """A target model loaded once, with hooks that capture the aux and final streams."""
+
+    def __init__(self, model: str, aux_layer_ids: list[int], device: str = "cpu", dtype: str = "auto",
+                 revision: str | None = None, trust_remote_code: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.dtype = resolve_dtype(dtype, device)
+        self.model_id, self.revision = model, revision
+        lm = AutoModelForCausalLM.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code,
+                                                  dtype=self.dtype)
+        base = lm.get_decoder()
+        layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+        if layers is None or norm is None:
+            raise UserError(f"{model}: the HF backend needs a decoder with `.layers` and a final `.norm` "
+                            f"({type(base).__name__} has not); use extract.backend: vllm")
+        n = len(layers)
+        bad = [i for i in aux_layer_ids if not 0 <= i < n]
+        if len(aux_layer_ids) != 3 or bad:
+            raise UserError(f"config key 'extract.aux_layer_ids': {aux_layer_ids} must be three ids in [0, {n - 1}] "
+                            f"for this {n}-layer target (default: 2, {n // 2}, {n - 3})")
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.layer_ids = self.aux_layer_ids + [n]
+        self.hidden_size = lm.config.get_text_config().hidden_size
+        # Drop the lm_head: extraction never needs logits over the vocabulary.
+        self.base = base.to(device).eval()
+        del lm
+        self._captured: dict[int, torch.Tensor] = {}
+        for slot, module in enumerate([layers[i] for i in self.aux_layer_ids] + [norm]):
+            module.register_forward_pre_hook(self._hook(slot), with_kwargs=True)
+
+    def _hook(self, slot: int):
+        def capture(module, args, kwargs):
+            self._captured[slot] = args[0] if args else kwargs["hidden_states"]
+        return capture
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> the states at `rows` (flat indices into B*T), packed: [len(rows), 4, H]
+        (three aux streams, then the pre-norm final stream)."""
+        self._captured.clear()
+        self.base(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+        return torch.stack([self._captured[s].flatten(0, 1).index_select(0, rows) for s in range(4)], dim=1)
+
+    def extract_shard(self, tokens_path: str, out_path: str, storage_dtype: str, batch_tokens: int,
+                      max_batch_size: int = 64, meta: dict | None = None, progress: bool = True) -> dict:
+        shard = read_tokens(tokens_path)
+        lengths = shard.lengths
+        meta = {"model": str(self.model_id), "revision": self.revision or "", "layer_ids": self.layer_ids,
+                "backend": "hf", "model_dtype": str(self.dtype).removeprefix("torch."), **(meta or {})}
+        t0 = time.perf_counter()
+        bar = _progress(total=int(shard.input_ids.numel()), desc=Path(out_path).name, enabled=progress)
+        with HiddenShardWriter(out_path, shard.input_ids, shard.loss_mask, shard.cu_seqlens, self.hidden_size,
+                               storage_dtype, meta) as writer:
+            # Pinned inputs copied with non_blocking: a pageable host-to-device copy synchronises the stream,
+            # which would stall the queue of forwards behind every batch.
+            pin = self.device.startswith("cuda")
+            for batch in length_batches(lengths, batch_tokens, max_batch_size):
+                longest = lengths[batch[0]]
+                ids = torch.zeros(len(batch), longest, dtype=torch.long, pin_memory=pin)
+                mask = torch.zeros(len(batch), longest, dtype=torch.long, pin_memory=pin)
+                spans = []
+                for row, i in enumerate(batch):
+                    a, b = int(shard.cu_seqlens[i]), int(shard.cu_seqlens[i + 1])
+                    ids[row, : b - a] = shard.input_ids[a:b]
+                    mask[row, : b - a] = 1
+                    spans.append((a, b - a))
+                # Real positions as flat indices computed here, so packing them needs no device sync.
+                real = torch.cat([torch.arange(n) + row * longest for row, (_, n) in enumerate(spans)])
+                real = real.pin_memory() if pin else real
+                states = self.forward(*(t.to(self.device, non_blocking=True) for t in (ids, mask, real)))
+                writer.write_batch(spans, states)
+                bar.update(int(real.numel()))
+        bar.close()
+        seconds = time.perf_counter() - t0
+        tokens = int(sum(lengths))
+        return {"tokens": tokens, "samples": len(lengths), "seconds": seconds,
+                "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not enabled, file=sys.stderr,
+                mininterval=2.0)
+
+
+# ---------------------------------------------------------------- disk estimate
+def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage_dtype: str,
+               reserve_gb: float) -> int:
+    """Refuse (UserError) unless the disk holds every listed, not yet extracted shard. Returns bytes needed."""
+    per_token = hidden_bytes_per_token(hidden_size, storage_dtype)
+    need = sum(int(read_meta(p)["num_tokens"]) * per_token for p in tokens_paths)
+    folder = Path(out_path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    reserve = int(reserve_gb * 1e9)
+    if need + reserve > free:
+        raise UserError(f"{folder}: extraction needs {need / 1e9:.2f} GB for {len(tokens_paths)} shard(s) "
+                        f"({per_token} bytes/token, {storage_dtype}) + {reserve_gb} GB reserve, but only "
+                        f"{free / 1e9:.2f} GB is free. Free space, move output_root, or set "
+                        f"extract.storage_dtype: fp8 (halves the bytes)")
+    return need
+
+
+
+def run_request(extractor: Extractor, req: dict) -> dict:
+    """One shard job's request: refuse unless the disk holds every pending shard, then extract."""
+    check_disk(req["out"], req["pending"], extractor.hidden_size, req["storage_dtype"], req["disk_reserve_gb"])
+    return extractor.extract_shard(req["tokens"], req["out"], req["storage_dtype"], req["batch_tokens"],
+                                   req["max_batch_size"], req["meta"])
+
+
+def serve(identity: dict, state_file: str, idle_s: float) -> None:
+    """Run an extraction server until idle for `idle_s` seconds (or SIGTERM)."""
+    if identity["device"].startswith("cuda"):
+        torch.cuda.set_device(identity["device"])
+    extractor = Extractor(identity["model"], identity["aux_layer_ids"], identity["device"], identity["dtype"],
+                          identity["revision"], identity["trust_remote_code"])
+    token = secrets.token_hex(16)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(1.0)
+    state = {"pid": os.getpid(), "port": listener.getsockname()[1], "token": token, "identity": identity}
+    tmp = Path(state_file).with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, state_file)
+    print(f"extraction server ready: {identity} on port {state['port']}", flush=True)
+    last = time.monotonic()
+    while time.monotonic() - last < idle_s:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(None)
+            try:
+                req = _recv(conn)
+                if req.get("token") != token:
+                    _send(conn, {"ok": False, "error": "bad token"})
+                    continue
+                print(f"extract {req['tokens']} -> {req['out']}", flush=True)
+                stats = run_request(extractor, req)
+                print(f"done {stats}", flush=True)
+                _send(conn, {"ok": True, **stats})
+            except UserError as e:
+                _send(conn, {"ok": False, "error": str(e), "user_error": True})
+            except Exception as e:  # report to the client, keep serving
+                import traceback
+
+                traceback.print_exc()
+                with contextlib.suppress(OSError):
+                    _send(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        last = time.monotonic()
+    print("idle timeout: exiting", flush=True)
+    with contextlib.suppress(FileNotFoundError):
+        if json.loads(Path(state_file).read_text()).get("pid") == os.getpid():
+            os.unlink(state_file)
