@@ -126,7 +126,9 @@ def preflight():
     from eagle3build.extract import forget_devices
 
     check(config, "extract", echo=print)
-    forget_devices(RUN_DIR)  # shard jobs look up the GPUs once per run (eagle3build/extract.py)
+    forget_devices(
+        RUN_DIR
+    )  # shard jobs look up the GPUs once per run (eagle3build/extract.py)
 
 
 def target_weight_files():
