@@ -126,9 +126,8 @@ def preflight():
     from eagle3build.extract import forget_devices
 
     check(config, "extract", echo=print)
-    forget_devices(
-        RUN_DIR
-    )  # shard jobs look up the GPUs once per run (eagle3build/extract.py)
+    # Shard jobs look up the GPUs once per run (eagle3build/extract.py): this run looks again.
+    forget_devices(RUN_DIR)
 
 
 def target_weight_files():
