@@ -13,7 +13,9 @@ A synthetic dataset with one conversation per shard (shard_size 1) gives S shard
 --ablations also times copies of the project with one directive family stripped at a time (cumulative, so
 each row says what that family costs per job): `script:` replaced by a realistic `shell:` command (what a
 port to shell would print per job), then by `shell: "true"`, then input functions and params callables made
-static, then no `log:`. They are measurements, not options: the project keeps every directive.
+static, then no `log:`; and, on its own, every `script:` as a one-line `run:` block (a dry-run neither reads
+its source nor formats a command; run, it costs a Snakemake process per job: BENCHMARKS.md §4). They are
+measurements, not options: the project keeps every directive.
 """
 
 from __future__ import annotations
@@ -112,7 +114,12 @@ def _no_log(text: str) -> str:
     return re.sub(r"    log:\n        [^\n]+\n", "", _static(text))
 
 
-ABLATIONS = {"shell_command": _shell_command, "shell_true": _shell_true, "static": _static, "no_log": _no_log}
+def _run_block(text: str) -> str:  # not cumulative: only `script:` changes, to a one-line `run:` block
+    return re.sub(r'script:\n\s+"\.\./scripts/(\w+)\.py"', 'run:\n        run_stage("\\1", input, output, params, log)', text)
+
+
+ABLATIONS = {"shell_command": _shell_command, "shell_true": _shell_true, "static": _static, "no_log": _no_log,
+             "run_block": _run_block}
 
 
 def project_dry_run(work: Path, shards: int, model: str, template: str | None, quiet: list[str],
@@ -128,10 +135,11 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None, q
         if ablation in ("static", "no_log"):
             left += [f for f in ("lambda wc", "conversations_for") if f in per_shard]
         assert not left, f"ablation {ablation} left {left} in the rules: update ABLATIONS to the rules' text"
-        if ablation == "shell_command":
+        if ablation in ("shell_command", "run_block"):
             snakefile = wd / "Snakefile"
+            defs = "PY = sys.executable\n" if ablation == "shell_command" else "def run_stage(*job): pass\n"
             snakefile.write_text(snakefile.read_text().replace('include: "rules/common.smk"\n',
-                                                               'include: "rules/common.smk"\nPY = sys.executable\n'))
+                                                               'include: "rules/common.smk"\n' + defs))
     line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     (wd / "data.jsonl").write_text((line + "\n") * shards)
     cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],
@@ -152,6 +160,33 @@ def snakefile_dry_run(wd: Path, snakefile: str, config: str, quiet: list[str]) -
     return timed(cmd, wd)
 
 
+JOB_START = """
+rule all:
+    input: expand("out/{i}.txt", i=range(int(config["njobs"])))
+rule one:
+    output: "out/{i}.txt"
+    log: "logs/{i}.log"
+    params: x=1
+"""
+
+
+def job_start_cost(work: Path, n: int = 8) -> dict:
+    """Seconds per executed job of a rule whose body only writes its output: as `script:` (a Python process
+    per job) and as `run:` (Snakemake runs a run block by spawning a Snakemake process per job, which parses
+    the whole workflow again). Wall time of n jobs one after the other, minus a dry-run of the same DAG."""
+    bodies = {"script": '    script: "job.py"\n', "run": '    run:\n        open(output[0], "w").write("x")\n'}
+    cost = {}
+    for name, body in bodies.items():
+        wd = work / f"jobstart-{name}"
+        wd.mkdir()
+        (wd / "Snakefile").write_text(JOB_START + body)
+        (wd / "job.py").write_text('open(snakemake.output[0], "w").write("x")\n')
+        base = [sys.executable, "-m", "snakemake", "all", "--cores", "1", "--config", f"njobs={n}"]
+        dry = timed([*base, "--dry-run"], wd)
+        cost[f"{name}_s_per_job"] = (timed(base, wd) - dry) / n
+    return cost
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", type=int, nargs="+", default=[1000, 10000])
@@ -159,8 +194,10 @@ def main() -> int:
     p.add_argument("--model", default=str(ROOT.parent / "shared" / "assets" / "models" / "stories260K"))
     p.add_argument("--template", default=str(ROOT / "tests" / "data" / "chat_template.jinja"))
     p.add_argument("--noop-config", default="config.yaml", help="config for the no-op `make run` timing ('' skips)")
-    p.add_argument("--ablations", action="store_true", help="also time the project with directives stripped")
+    p.add_argument("--ablations", nargs="*", choices=sorted(ABLATIONS), default=None,
+                   help="also time the project with directives stripped (all of them, or those named)")
     p.add_argument("--no-quiet", action="store_true", help="time dry-runs as `make dry-run` runs them, without --quiet")
+    p.add_argument("--job-start", action="store_true", help="also time executed jobs: script: vs run: per job")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     quiet = [] if args.no_quiet else ["--quiet"]  # --quiet drops each job's "reason:" line (jobs are printed either way)
@@ -171,7 +208,8 @@ def main() -> int:
         work = Path(tmp)
         for shards in args.shards:
             proj, bare, chain = [], [], []
-            ablated = {name: [] for name in (ABLATIONS if args.ablations else ())}
+            names = () if args.ablations is None else args.ablations or ABLATIONS
+            ablated = {name: [] for name in names}
             for r in range(args.repeats):  # interleaved: this VM's speed drifts between runs
                 t, jobs = project_dry_run(work / f"r{r}", shards, args.model, args.template, quiet)
                 proj.append(t)
@@ -188,6 +226,10 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             for r in range(args.repeats):
                 shutil.rmtree(work / f"r{r}", ignore_errors=True)
+    if args.job_start:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["job_start"] = job_start_cost(Path(tmp))
+        print(json.dumps({"job_start": results["job_start"]}), flush=True)
     if args.noop_config and (ROOT / "build" / "export").exists():
         cmd = ["make", "-s", "run", f"CONFIG={args.noop_config}"]
         timed(cmd, ROOT)

@@ -13,6 +13,7 @@ real tokens are stored, packed back to back, by a writer thread that overlaps di
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -147,7 +148,7 @@ def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage
                reserve_gb: float) -> int:
     """Refuse (UserError) unless the disk holds every listed, not yet extracted shard. Returns bytes needed."""
     per_token = hidden_bytes_per_token(hidden_size, storage_dtype)
-    need = sum(int(read_meta(p)["num_tokens"]) * per_token for p in tokens_paths)
+    need = sum(_num_tokens(p, *_version(p)) for p in tokens_paths) * per_token
     folder = Path(out_path).parent
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
@@ -159,6 +160,17 @@ def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage
                         f"extract.storage_dtype: fp8 (halves the bytes)")
     return need
 
+
+def _version(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.cache
+def _num_tokens(path: str, mtime_ns: int, size: int) -> int:
+    """A token shard's token count, read once per version of the file: the server checks the disk for every
+    pending shard before each job's shard (0.3 s of header reads at 10,000 shards; a stat each once cached)."""
+    return int(read_meta(path)["num_tokens"])
 
 
 def run_request(extractor: Extractor, req: dict) -> dict:

@@ -98,7 +98,11 @@ def test_disk_check_refuses_with_numbers(tmp_path):
     make_token_shard(tmp_path / "t.safetensors", 128, [1000])
     with pytest.raises(UserError, match=r"needs .* GB .* free"):
         check_disk(str(tmp_path / "h.safetensors"), [str(tmp_path / "t.safetensors")], 4096, "bf16", reserve_gb=1e6)
-    assert check_disk(str(tmp_path / "h.safetensors"), [str(tmp_path / "t.safetensors")], 32, "bf16", 0.0) > 0
+    need = check_disk(str(tmp_path / "h.safetensors"), [str(tmp_path / "t.safetensors")], 32, "bf16", 0.0)
+    assert need > 0
+    # The server remembers token counts per version of a file: a rewritten shard is read again.
+    make_token_shard(tmp_path / "t.safetensors", 128, [1000, 1000])
+    assert check_disk(str(tmp_path / "h.safetensors"), [str(tmp_path / "t.safetensors")], 32, "bf16", 0.0) == 2 * need
 
 
 def _hold_slot(run_dir, devices, q, hold_s):
