@@ -196,9 +196,10 @@ def test_shard_job_side_imports_no_torch(tmp_path):
 
 
 def test_device_list_is_looked_up_once_per_run_and_host(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # torch sees no GPU: "auto" is the CPU
-    assert visible_devices("auto", tmp_path) == ["cpu"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    first = visible_devices("auto", tmp_path)  # torch's answer here: ["cuda:0"] on a GPU host, ["cpu"] on CI
     (cache,) = tmp_path.glob("devices-*.json")
+    assert json.loads(cache.read_text())["devices"] == [d for d in first if d != "cpu"]
     # Later jobs read the list without torch; a file for this host and these variables says what they get.
     known = json.loads(cache.read_text())
     cache.write_text(json.dumps({**known, "devices": ["cuda:0", "cuda:1"]}))
@@ -207,8 +208,9 @@ def test_device_list_is_looked_up_once_per_run_and_host(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert out.strip() == "['cuda:0', 'cuda:1']"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # other GPUs selected: looked up again
-    assert visible_devices("auto", tmp_path) == ["cpu"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # other GPUs selected: looked up again
+    visible_devices("auto", tmp_path)
+    assert json.loads(cache.read_text())["key"]["CUDA_VISIBLE_DEVICES"] == "1,0"
     assert visible_devices(["cuda:3", 1], tmp_path) == ["cuda:3", "cuda:1"]  # an explicit list is taken as is
     forget_devices(tmp_path)  # at the start of every run, and by stop_servers at its end
     assert not list(tmp_path.glob("devices-*.json"))
