@@ -172,16 +172,22 @@ rule one:
 
 def job_start_cost(work: Path, n: int = 8) -> dict:
     """Seconds per executed job of a rule whose body only writes its output: as `script:` (a Python process
-    per job) and as `run:` (Snakemake runs a run block by spawning a Snakemake process per job, which parses
-    the whole workflow again). Wall time of n jobs one after the other, minus a dry-run of the same DAG."""
-    bodies = {"script": '    script: "job.py"\n', "run": '    run:\n        open(output[0], "w").write("x")\n'}
+    per job); as `run:` (Snakemake runs a run block by spawning a Snakemake process per job, which parses
+    the whole workflow again); and as `run:` under --force-use-threads (the block runs in a thread of the
+    main process) handing the job to a Python child through `shell()`. Wall time of n jobs one after the
+    other, minus a dry-run of the same DAG."""
+    child = ("    run:\n        shell(\"{sys.executable} -c 'import sys; open(sys.argv[1], \\\"w\\\").write(\\\"x\\\")' "
+             "{output[0]:q}\")\n")
+    bodies = {"script": ('    script: "job.py"\n', []),
+              "run": ('    run:\n        open(output[0], "w").write("x")\n', []),
+              "run_threads_child": (child, ["--force-use-threads"])}
     cost = {}
-    for name, body in bodies.items():
+    for name, (body, flags) in bodies.items():
         wd = work / f"jobstart-{name}"
         wd.mkdir()
-        (wd / "Snakefile").write_text(JOB_START + body)
+        (wd / "Snakefile").write_text("import sys\n" + JOB_START + body)
         (wd / "job.py").write_text('open(snakemake.output[0], "w").write("x")\n')
-        base = [sys.executable, "-m", "snakemake", "all", "--cores", "1", "--config", f"njobs={n}"]
+        base = [sys.executable, "-m", "snakemake", "all", "--cores", "1", "--config", f"njobs={n}", *flags]
         dry = timed([*base, "--dry-run"], wd)
         cost[f"{name}_s_per_job"] = (timed(base, wd) - dry) / n
     return cost
