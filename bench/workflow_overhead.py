@@ -11,11 +11,12 @@ functions, scripts) adds to what Snakemake spends on that DAG.
 A synthetic dataset with one conversation per shard (shard_size 1) gives S shards without real data.
 
 --ablations also times copies of the project with one directive family stripped at a time (cumulative, so
-each row says what that family costs per job): `script:` replaced by a realistic `shell:` command (what a
-port to shell would print per job), then by `shell: "true"`, then input functions and params callables made
-static, then no `log:`; and, on its own, every `script:` as a one-line `run:` block (a dry-run neither reads
-its source nor formats a command; run, it costs a Snakemake process per job: BENCHMARKS.md §4). They are
-measurements, not options: the project keeps every directive.
+each row says what that family costs per job): each rule's `run:` block replaced by a realistic `shell:` command
+(what a port to shell would print per job), then by `shell: "true"`, then input functions and params callables
+made static, then no `log:`; and, on its own, `script` — every rule as a `script:` job, as the project was before
+the twelfth session (Snakemake reads every planned script job's source, even in a dry-run). --job-start times an
+executed job as `script:`, as a spawned `run:` job, and as `run:` under --force-use-threads with a child process
+(what the rules do now). They are measurements, not options: the project keeps every directive.
 """
 
 from __future__ import annotations
@@ -93,13 +94,20 @@ def timed(cmd: list[str], cwd: Path) -> float:
     return time.perf_counter() - t0
 
 
+BODY = r'run:\n\s+shell\(\s*stage_command\(\s*"(\w+)",[^)]*\)\s*\)'  # each rule's run: block
+
+
+def _script(text: str) -> str:  # not cumulative: the rules as they were before the twelfth session
+    return re.sub(BODY, 'script:\n        "../scripts/\\1.py"', text)
+
+
 def _shell_command(text: str) -> str:
-    return re.sub(r'script:\n\s+"\.\./scripts/(\w+)\.py"', 'shell:\n        "{PY} -m eagle3build.\\1 '
+    return re.sub(BODY, 'shell:\n        "{PY} -m eagle3build.\\1 '
                   '--input {input:q} --output {output:q} --params {params.version:q} --log {log:q}"', text)
 
 
 def _shell_true(text: str) -> str:
-    return re.sub(r'script:\n\s+"[^"]+"', 'shell:\n        "true"', text)
+    return re.sub(BODY, 'shell:\n        "true"', text)
 
 
 def _static(text: str) -> str:  # the synthetic config has one dataset, "synthetic"
@@ -114,12 +122,8 @@ def _no_log(text: str) -> str:
     return re.sub(r"    log:\n        [^\n]+\n", "", _static(text))
 
 
-def _run_block(text: str) -> str:  # not cumulative: only `script:` changes, to a one-line `run:` block
-    return re.sub(r'script:\n\s+"\.\./scripts/(\w+)\.py"', 'run:\n        run_stage("\\1", input, output, params, log)', text)
-
-
-ABLATIONS = {"shell_command": _shell_command, "shell_true": _shell_true, "static": _static, "no_log": _no_log,
-             "run_block": _run_block}
+ABLATIONS = {"script": _script, "shell_command": _shell_command, "shell_true": _shell_true, "static": _static,
+             "no_log": _no_log}
 
 
 def project_dry_run(work: Path, shards: int, model: str, template: str | None, quiet: list[str],
@@ -128,18 +132,21 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None, q
     if ablation:
         for smk in (wd / "rules").glob("*.smk"):
             smk.write_text(ABLATIONS[ablation](smk.read_text()))
-        rules = "".join(smk.read_text() for smk in (wd / "rules").glob("*.smk"))
+        rules = "".join(smk.read_text() for smk in (wd / "rules").glob("*.smk") if smk.name != "common.smk")
         per_shard = (wd / "rules" / "prepare.smk").read_text()  # the per-shard rules with callables
-        stripped = {"script:": True, "log:": ablation == "no_log"}
+        stripped = {"stage_command(": True, "log:": ablation == "no_log"}
         left = [directive for directive, gone in stripped.items() if gone and directive in rules]
         if ablation in ("static", "no_log"):
             left += [f for f in ("lambda wc", "conversations_for") if f in per_shard]
         assert not left, f"ablation {ablation} left {left} in the rules: update ABLATIONS to the rules' text"
-        if ablation in ("shell_command", "run_block"):
+        if ablation == "shell_command":
             snakefile = wd / "Snakefile"
-            defs = "PY = sys.executable\n" if ablation == "shell_command" else "def run_stage(*job): pass\n"
             snakefile.write_text(snakefile.read_text().replace('include: "rules/common.smk"\n',
-                                                               'include: "rules/common.smk"\n' + defs))
+                                                               'include: "rules/common.smk"\nPY = sys.executable\n'))
+        if ablation == "script":  # Snakemake checks that each planned job's script exists
+            (wd / "scripts").mkdir()
+            for name in re.findall(r'"\.\./scripts/(\w+)\.py"', rules):
+                (wd / "scripts" / f"{name}.py").write_text("")
     line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     (wd / "data.jsonl").write_text((line + "\n") * shards)
     cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],

@@ -1,4 +1,4 @@
-"""Entry points: the `eagle3build` command and the runner the workflow's scripts share."""
+"""Entry points: the `eagle3build` command and the runner the rules' bodies share (eagle3build/jobs.py)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def _log_to(path: str | None):
             os.close(saved[1])
 
 
-def run_rule(snakemake, body: Callable) -> None:
-    """Run a rule's body; a UserError ends the job with its message (on the terminal and in the log)."""
-    log = snakemake.log[0] if snakemake.log else None
+def run_rule(job, body: Callable) -> None:
+    """Run a rule's body on its job; a UserError ends the job with its message (on the terminal and in the log)."""
+    log = job.log[0] if job.log else None
     try:
         with _log_to(log):
-            body(snakemake)
+            body(job)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         if log:

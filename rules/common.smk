@@ -113,6 +113,23 @@ def final_targets():
 EVAL_SETS = {s["name"]: s for s in config["evaluate"]["sets"]}
 
 
+def stage_command(name, input, output, params, log, wildcards, container_img):
+    """The command a rule's run: block hands to shell(): its body in a fresh process (eagle3build/jobs.py)."""
+    from eagle3build.jobs import job_command
+
+    return job_command(
+        name,
+        input,
+        output,
+        params,
+        log,
+        wildcards,
+        config,
+        workflow.basedir,
+        in_container=bool(container_img),
+    )
+
+
 def stop_extraction_servers():
     from eagle3build import extract, vllm_backend
 

@@ -26,5 +26,9 @@ rule evaluate:
             for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
         },
         version=FORMAT_VERSIONS["evaluate"],
-    script:
-        "../scripts/evaluate.py"
+    run:
+        shell(
+            stage_command(
+                "evaluate", input, output, params, log, wildcards, container_img
+            )
+        )

@@ -23,5 +23,9 @@ rule extract:
         image=IMAGE,
         version=FORMAT_VERSIONS["hidden"],
         run_dir=RUN_DIR,
-    script:
-        "../scripts/extract.py"
+    run:
+        shell(
+            stage_command(
+                "extract", input, output, params, log, wildcards, container_img
+            )
+        )

@@ -18,8 +18,12 @@ rule split:
         shards=lambda wc: len(DATASETS[wc.ds]["shards"]),
         shard_size=config["prepare"]["shard_size"],
         version=FORMAT_VERSIONS["split"],
-    script:
-        "../scripts/split.py"
+    run:
+        shell(
+            stage_command(
+                "split", input, output, params, log, wildcards, container_img
+            )
+        )
 
 
 rule tokens:
@@ -38,5 +42,9 @@ rule tokens:
         },
         max_length=config["prepare"]["max_length"],
         version=FORMAT_VERSIONS["tokens"],
-    script:
-        "../scripts/tokens.py"
+    run:
+        shell(
+            stage_command(
+                "tokens", input, output, params, log, wildcards, container_img
+            )
+        )

@@ -16,5 +16,9 @@ rule regenerate:
         target=TARGET,
         sampling=lambda wc: DATASETS[wc.ds]["regen_sampling"],  # per dataset: a change reruns only its own
         version=FORMAT_VERSIONS["regenerate"],
-    script:
-        "../scripts/regenerate.py"
+    run:
+        shell(
+            stage_command(
+                "regenerate", input, output, params, log, wildcards, container_img
+            )
+        )

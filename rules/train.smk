@@ -20,8 +20,12 @@ rule train:
         target={k: TARGET[k] for k in ("path", "revision")},
         state_dir=f"{OUT}/train/state",
         version=FORMAT_VERSIONS["train"],
-    script:
-        "../scripts/train.py"
+    run:
+        shell(
+            stage_command(
+                "train", input, output, params, log, wildcards, container_img
+            )
+        )
 
 
 rule export:
@@ -38,5 +42,9 @@ rule export:
         target={k: TARGET[k] for k in ("path", "revision")},
         out_dir=lambda wc, output: os.path.dirname(os.path.dirname(output.config)),
         version=FORMAT_VERSIONS["export"],
-    script:
-        "../scripts/export.py"
+    run:
+        shell(
+            stage_command(
+                "export", input, output, params, log, wildcards, container_img
+            )
+        )

@@ -12,8 +12,12 @@ rule vocab_count:
     params:
         vocab_size=VOCAB_SIZE,
         version=FORMAT_VERSIONS["vocab"],
-    script:
-        "../scripts/vocab_count.py"
+    run:
+        shell(
+            stage_command(
+                "vocab_count", input, output, params, log, wildcards, container_img
+            )
+        )
 
 
 rule vocab:
@@ -28,5 +32,9 @@ rule vocab:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         vocab_size=VOCAB_SIZE,
         version=FORMAT_VERSIONS["vocab"],
-    script:
-        "../scripts/vocab.py"
+    run:
+        shell(
+            stage_command(
+                "vocab", input, output, params, log, wildcards, container_img
+            )
+        )
