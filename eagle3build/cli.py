@@ -1,4 +1,4 @@
-"""Entry points: the `eagle3build` command and the runner the rules' bodies share (eagle3build/jobs.py)."""
+"""Entry points: the `eagle3build` command and the runner the workflow's scripts share."""
 
 from __future__ import annotations
 

@@ -1,13 +1,18 @@
-"""The hand-off of a rule's job (eagle3build/jobs.py): what the child sees, and a command safe for any path."""
+"""The hand-off of a rule's job to its script (eagle3build/jobs.py): what the script sees, a command safe for any path."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
+import sys
+from pathlib import Path
 
 from snakemake.iocontainers import InputFiles, Namedlist, OutputFiles, Params, Wildcards
 
-from eagle3build.jobs import BODIES, Job, job_command
+from eagle3build.jobs import Job, job_command
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_job_round_trips_named_files_params_and_wildcards(tmp_path):
@@ -20,7 +25,7 @@ def test_job_round_trips_named_files_params_and_wildcards(tmp_path):
     command = job_command("train", inp, out, params, log, wc, {"train": {"gpus": 0}}, "/repo dir", in_container=False)
     # shell() formats the command once more: the doubled braces come back as the path's own.
     argv = shlex.split(command.format())
-    assert argv[0] == "PYTHONPATH=/repo dir${PYTHONPATH:+:$PYTHONPATH}" and argv[-3:-1] == ["-m", "eagle3build.jobs"]
+    assert argv[:2] == [sys.executable, "/repo dir/scripts/train.py"] and len(argv) == 3
     spec = argv[-1]
     assert spec == str(log_dir / "train.job.json")
     job = Job(json.loads(open(spec).read()))
@@ -29,9 +34,11 @@ def test_job_round_trips_named_files_params_and_wildcards(tmp_path):
     assert job.output.weights == "t/w.st" and job.params.target == {"path": "m", "revision": None}
     assert job.params.ids == [2, 15, 27] and job.wildcards.shard == "00003" and job.config == {"train": {"gpus": 0}}
     assert job.log == [str(log_dir / "train.log")]
-    assert "python3 -m" in job_command("train", inp, out, params, log, wc, {}, "/r", in_container=True)
+    assert job_command("train", inp, out, params, log, wc, {}, "/r", in_container=True).startswith("python3 /r/scripts/")
 
 
-def test_every_rule_has_a_body():
-    rules = {"split", "regenerate", "tokens", "extract", "vocab_count", "vocab", "train", "export", "evaluate"}
-    assert set(BODIES) == rules
+def test_every_rule_hands_its_job_to_its_script():
+    rules = "".join(p.read_text() for p in (ROOT / "rules").glob("*.smk"))
+    declared = set(re.findall(r"^rule (\w+):", rules, re.M))
+    handed = set(re.findall(r'stage_command\(\s*"(\w+)"', rules))
+    assert handed == declared and all((ROOT / "scripts" / f"{r}.py").exists() for r in declared)

@@ -134,6 +134,8 @@ def test_code_edit_keeps_hidden_states_but_version_bump_rebuilds(tmp_path, built
     # Snakemake's `code` trigger, off in the profiles, would rerun every job of every rule whose block changed.
     for smk in (wd / "rules").glob("*.smk"):
         smk.write_text(smk.read_text().replace("stage_command(", "stage_command(  "))
+    for script in (wd / "scripts").glob("*.py"):
+        script.write_text(script.read_text() + "\n# an unrelated edit\n")
     assert plan(wd, base_config()) == {}
     init = wd / "eagle3build" / "__init__.py"
     init.write_text(init.read_text().replace('"hidden": 1', '"hidden": 2'))

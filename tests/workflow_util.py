@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_PARTS = ["Snakefile", "rules", "schemas", "eagle3build", "profiles", "docs/report"]
+WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "schemas", "eagle3build", "profiles", "docs/report"]
 
 
 def copy_workflow(dest: Path) -> Path:

@@ -1,0 +1,32 @@
+"""extract rule: hidden states of one token shard (HF server or vLLM backend)."""
+import os
+import sys
+
+# Import the package that sits next to this workflow, installed or not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eagle3build.jobs import run_job  # noqa: E402
+
+
+def extract(job):
+    import os
+
+    p = job.params
+    # Runtime knobs (batch size, devices, server and vLLM engine settings) come from the config, not
+    # params: they do not change the stored bytes, so changing them must not re-extract.
+    runtime = dict(job.config["extract"])
+    params = {**runtime, "backend": p.backend, "storage_dtype": p.storage_dtype,
+              "aux_layer_ids": list(p.aux_layer_ids), "image": p.image}
+    out_root = os.path.dirname(os.path.dirname(os.path.dirname(job.output.hidden)))
+    if p.backend == "vllm":
+        from eagle3build.vllm_backend import extract_shard_vllm
+
+        extract_shard_vllm(job.input.tokens, job.output.hidden, {**params, "target": dict(p.target)}, p.run_dir)
+        return
+    from eagle3build.extract import extract_shard, pending_token_shards
+
+    stats = extract_shard(job.input.tokens, job.output.hidden, dict(p.target), params, p.run_dir,
+                          pending_tokens=pending_token_shards(out_root, job.input.tokens))
+    print(stats)
+
+
+run_job(extract)  # the job a rule's run: block handed over (eagle3build/jobs.py)

@@ -1,0 +1,19 @@
+"""train rule: the draft head; several GPUs go through torchrun (DDP) inside this one job."""
+import os
+import sys
+
+# Import the package that sits next to this workflow, installed or not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eagle3build.jobs import run_job  # noqa: E402
+
+
+def train(job):
+    import os
+
+    from eagle3build.launch import launch
+
+    launch(hidden_paths=list(job.input.hidden), mapping_path=job.input.mapping, target=dict(job.params.target),
+           out_dir=os.path.dirname(job.output.weights), state_dir=job.params.state_dir, params=dict(job.params.train))
+
+
+run_job(train)  # the job a rule's run: block handed over (eagle3build/jobs.py)
