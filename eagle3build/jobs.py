@@ -48,7 +48,7 @@ def job_command(rule: str, input, output, params, log, wildcards, config: dict, 
 
 
 class Named(list):
-    """The child's view of a Namedlist: a list whose named entries are attributes too."""
+    """The script's view of a Namedlist: a list whose named entries are attributes too."""
 
     def __init__(self, spec: dict):
         super().__init__(spec["items"])
@@ -62,7 +62,7 @@ class Named(list):
 
 
 class Job:
-    """What a rule's body reads: input, output, params, log, wildcards, config."""
+    """What a rule's script reads: input, output, params, log, wildcards, config."""
 
     def __init__(self, spec: dict):
         self.rule = spec["rule"]

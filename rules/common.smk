@@ -114,7 +114,7 @@ EVAL_SETS = {s["name"]: s for s in config["evaluate"]["sets"]}
 
 
 def stage_command(name, input, output, params, log, wildcards, container_img):
-    """The command a rule's run: block hands to shell(): its body in a fresh process (eagle3build/jobs.py)."""
+    """The command a rule's run: block hands to shell(): the rule's script on its job (eagle3build/jobs.py)."""
     from eagle3build.jobs import job_command
 
     return job_command(

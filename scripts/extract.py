@@ -8,8 +8,6 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def extract(job):
-    import os
-
     p = job.params
     # Runtime knobs (batch size, devices, server and vLLM engine settings) come from the config, not
     # params: they do not change the stored bytes, so changing them must not re-extract.
