@@ -143,10 +143,6 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None, q
             snakefile = wd / "Snakefile"
             snakefile.write_text(snakefile.read_text().replace('include: "rules/common.smk"\n',
                                                                'include: "rules/common.smk"\nPY = sys.executable\n'))
-        if ablation == "script":  # Snakemake checks that each planned job's script exists
-            (wd / "scripts").mkdir()
-            for name in re.findall(r'"\.\./scripts/(\w+)\.py"', rules):
-                (wd / "scripts" / f"{name}.py").write_text("")
     line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     (wd / "data.jsonl").write_text((line + "\n") * shards)
     cfg = {"target": {"model": model, "chat_template": template}, "datasets": [{"name": "synthetic", "path": "data.jsonl"}],
