@@ -72,7 +72,8 @@ def synthetic_dataset(model: Path, path: Path, conversations: int, seed: int = 0
 
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(seed)
-    ids = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok)) if i not in special]
     with path.open("w") as f:
         for _ in range(conversations):
             n = int(math.exp(rng.uniform(math.log(64), math.log(2048))))
