@@ -12,8 +12,7 @@ A synthetic dataset with one conversation per shard (shard_size 1) gives S shard
 
 --ablations also times copies of the project with one directive family stripped at a time (cumulative, so
 each row says what that family costs per job): each rule's `run:` block replaced by a realistic `shell:` command
-(what a port to shell would print per job), then by `shell: "true"`, then input functions and params callables
-made static, then no `log:`; and, on its own, `script` — every rule as a `script:` job, as the project was before
+(what a port to shell would print per job), then by `shell: "true"`, then no `log:`; and, on its own, `script` — every rule as a `script:` job, as the project was before
 the twelfth session (Snakemake reads every planned script job's source, even in a dry-run). --job-start times an
 executed job as `script:`, as a spawned `run:` job, and as `run:` under --force-use-threads with a child process
 (what the rules do now). They are measurements, not options: the project keeps every directive.
@@ -98,32 +97,25 @@ BODY = r'run:\n\s+shell\(\s*stage_command\(\s*"(\w+)",[^)]*\)\s*\)'  # each rule
 
 
 def _script(text: str) -> str:  # not cumulative: the rules as they were before the twelfth session
-    return re.sub(BODY, 'script:\n        "../scripts/\\1.py"', text)
+    return re.sub(BODY, 'script: "../scripts/\\1.py"', text)
 
 
 def _shell_command(text: str) -> str:
-    return re.sub(BODY, 'shell:\n        "{PY} -m eagle3build.\\1 '
+    return re.sub(BODY, 'shell: "{PY} -m eagle3build.\\1 '
                   '--input {input:q} --output {output:q} --params {params.version:q} --log {log:q}"', text)
 
 
 def _shell_true(text: str) -> str:
-    return re.sub(BODY, 'shell:\n        "true"', text)
-
-
-def _static(text: str) -> str:  # the synthetic config has one dataset, "synthetic"
-    text = _shell_true(text)
-    text = text.replace('lambda wc: local_file(DATASETS[wc.ds]["path"])', 'local_file(DATASETS["synthetic"]["path"])')
-    text = re.sub(r"dataset=lambda wc: \{\n.*?\n.*?\n\s+\},", 'dataset=dict(DATASETS["synthetic"]),', text, flags=re.S)
-    text = text.replace('shards=lambda wc: len(DATASETS[wc.ds]["shards"])', 'shards=len(DATASETS["synthetic"]["shards"])')
-    return text.replace("conversations=conversations_for,", 'conversations=f"{OUT}/data/{{ds}}/{{shard}}.jsonl",')
+    return re.sub(BODY, 'shell: "true"', text)
 
 
 def _no_log(text: str) -> str:
-    return re.sub(r"    log:\n        [^\n]+\n", "", _static(text))
+    return re.sub(r" +log:\n +[^\n]+\n", "", _shell_true(text))
 
 
-ABLATIONS = {"script": _script, "shell_command": _shell_command, "shell_true": _shell_true, "static": _static,
-             "no_log": _no_log}
+# (A "static" ablation, per-shard input functions and params callables made static, went in the thirteenth
+# session: the rules have none since; the per-dataset split rules and tokens/tokens_regenerated replaced them.)
+ABLATIONS = {"script": _script, "shell_command": _shell_command, "shell_true": _shell_true, "no_log": _no_log}
 
 
 def project_dry_run(work: Path, shards: int, model: str, template: str | None, quiet: list[str],
@@ -133,11 +125,8 @@ def project_dry_run(work: Path, shards: int, model: str, template: str | None, q
         for smk in (wd / "rules").glob("*.smk"):
             smk.write_text(ABLATIONS[ablation](smk.read_text()))
         rules = "".join(smk.read_text() for smk in (wd / "rules").glob("*.smk") if smk.name != "common.smk")
-        per_shard = (wd / "rules" / "prepare.smk").read_text()  # the per-shard rules with callables
         stripped = {"stage_command(": True, "log:": ablation == "no_log"}
         left = [directive for directive, gone in stripped.items() if gone and directive in rules]
-        if ablation in ("static", "no_log"):
-            left += [f for f in ("lambda wc", "conversations_for") if f in per_shard]
         assert not left, f"ablation {ablation} left {left} in the rules: update ABLATIONS to the rules' text"
         if ablation == "shell_command":
             snakefile = wd / "Snakefile"

@@ -89,10 +89,14 @@ def shard_paths(stage, ext, datasets=None):
     ]
 
 
-def conversations_for(wildcards):
-    """Token shards read regenerated conversations where the dataset asks for them."""
-    stage = "regen" if DATASETS[wildcards.ds]["regenerate"] else "data"
-    return f"{OUT}/{stage}/{wildcards.ds}/{wildcards.shard}.jsonl"
+def dataset_names(regenerated):
+    """A wildcard constraint: the names of the datasets that regenerate (or of those that do not)."""
+    names = [
+        re.escape(n)
+        for n, ds in DATASETS.items()
+        if bool(ds["regenerate"]) == regenerated
+    ]
+    return "|".join(names) or "(?!)"  # (?!) matches nothing: no dataset of that kind
 
 
 def local_file(path):

@@ -1,40 +1,46 @@
-# split: one job per shard normalizes its range of the dataset into JSONL (pattern outputs keep the
-# DAG linear in the number of shards; JSONL lines before the range are skipped unparsed).
+# split: one rule per dataset (split_<i>, i its place in `datasets`), one job per shard: it normalizes its
+# range of the dataset into JSONL (pattern outputs keep the DAG linear in the number of shards; JSONL lines
+# before the range are skipped unparsed). A rule per dataset hands each job its dataset's file and settings
+# as plain values; per-shard input functions cost every job of a 10,000-shard dry-run (BENCHMARKS.md §4).
 # tokens: one job per shard applies the chat template and builds the assistant-only loss mask.
 
+for _ds in DATASETS.values():
 
-rule split:
-    input:
-        lambda wc: local_file(DATASETS[wc.ds]["path"]),
-    output:
-        f"{OUT}/data/{{ds}}/{{shard}}.jsonl",
-    log:
-        f"{OUT}/logs/split/{{ds}}/{{shard}}.log",
-    params:
-        dataset=lambda wc: {
-            k: DATASETS[wc.ds][k]
-            for k in ("name", "path", "format", "split", "max_samples")
-        },
-        shards=lambda wc: len(DATASETS[wc.ds]["shards"]),
-        shard_size=config["prepare"]["shard_size"],
-        version=FORMAT_VERSIONS["split"],
-    run:
-        shell(
-            stage_command(
-                "split", input, output, params, log, wildcards, container_img
+    rule:
+        name:
+            f"split_{_ds['index']}"
+        input:
+            local_file(_ds["path"]),
+        output:
+            f"{OUT}/data/{_ds['name']}/{{shard}}.jsonl",
+        log:
+            f"{OUT}/logs/split/{_ds['name']}/{{shard}}.log",
+        params:
+            dataset={
+                k: _ds[k] for k in ("name", "path", "format", "split", "max_samples")
+            },
+            shards=len(_ds["shards"]),
+            shard_size=config["prepare"]["shard_size"],
+            version=FORMAT_VERSIONS["split"],
+        run:
+            shell(
+                stage_command(
+                    "split", input, output, params, log, wildcards, container_img
+                )
             )
-        )
 
 
 rule tokens:
     input:
-        conversations=conversations_for,
+        conversations=f"{OUT}/data/{{ds}}/{{shard}}.jsonl",
         chat_template=local_file(TARGET["chat_template"]),
     output:
         tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
         report=f"{OUT}/tokens/{{ds}}/{{shard}}.json",
     log:
         f"{OUT}/logs/tokens/{{ds}}/{{shard}}.log",
+    wildcard_constraints:
+        ds=dataset_names(regenerated=False),
     params:
         tokenizer={
             k: TARGET[k]
@@ -48,3 +54,14 @@ rule tokens:
                 "tokens", input, output, params, log, wildcards, container_img
             )
         )
+
+
+# A dataset that regenerates is tokenized from the target's answers: the same rule, reading regen/.
+# The two are told apart by dataset name (wildcard constraints, matched once per file) rather than by an
+# input function that every tokens job would call (BENCHMARKS.md §4).
+use rule tokens as tokens_regenerated with:
+    input:
+        conversations=f"{OUT}/regen/{{ds}}/{{shard}}.jsonl",
+        chat_template=local_file(TARGET["chat_template"]),
+    wildcard_constraints:
+        ds=dataset_names(regenerated=True),

@@ -11,7 +11,7 @@ rule regenerate:
     log:
         f"{OUT}/logs/regen/{{ds}}/{{shard}}.log",
     resources:
-        gpu=lambda wc: 0 if config["regenerate"]["backend"] == "openai" else 1,
+        gpu=0 if config["regenerate"]["backend"] == "openai" else 1,
     params:
         target=TARGET,
         sampling=lambda wc: DATASETS[wc.ds]["regen_sampling"],  # per dataset: a change reruns only its own

@@ -44,7 +44,7 @@ def chain(tmp_path_factory):
     wd = copy_workflow(tmp_path_factory.mktemp("chain"))
     write_config(wd, chain_config())
     jobs = planned_jobs(wd)
-    assert jobs == {"split": 2, "regenerate": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1,
+    assert jobs == {"split": 2, "regenerate": 2, "tokens_regenerated": 2, "extract": 2, "vocab_count": 2, "vocab": 1,
                     "train": 1, "export": 1, "evaluate": 1}
     snakemake(wd)
     yield wd
@@ -106,6 +106,18 @@ def test_rerun_plans_nothing_and_a_sampling_change_reruns_regeneration(chain):
     write_config(chain, cfg, "config.changed.yaml")
     jobs = planned_jobs(chain, config="config.changed.yaml")
     assert jobs.get("regenerate") == 2 and "split" not in jobs
+
+
+def test_turning_regeneration_off_retokenizes_the_split_conversations(chain):
+    # tokens and tokens_regenerated are one rule told apart by dataset name: switching a dataset between them
+    # changes its tokens jobs' input (Snakemake's `input` trigger), and the split is kept.
+    cfg = chain_config()
+    cfg["datasets"][0]["regenerate"] = False
+    write_config(chain, cfg, "config.plain.yaml")
+    jobs = planned_jobs(chain, config="config.plain.yaml")
+    assert jobs == {"tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1, "train": 1, "export": 1, "evaluate": 1}, jobs
+    outs = planned_outputs(chain, "tokens", config="config.plain.yaml")
+    assert sorted(outs) == sorted(f"build/tokens/demo/0000{i}.{ext}" for i in (0, 1) for ext in ("json", "safetensors"))
 
 
 def test_a_dataset_listed_again_with_its_own_sampling_regenerates_only_itself(chain):

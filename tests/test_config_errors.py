@@ -41,6 +41,7 @@ def check(tmp_path, cfg) -> None:
         ({"extract": {"storage_dtype": "int4"}}, "extract.storage_dtype"),
         ({"vocab": {"draft_vocab_size": -1}}, "vocab.draft_vocab_size"),
         ({"bogus": 1}, "(top level)"),
+        ({"datasets": [{"name": "a{shard}", "path": "x.jsonl"}]}, "datasets[0].name"),  # would be a wildcard
     ],
 )
 def test_wrong_type_or_unknown_key_names_the_key(tmp_path, over, key):

@@ -14,7 +14,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "profiles" / "slurm"
-RULES = {"split", "regenerate", "tokens", "extract", "vocab_count", "vocab", "train", "export", "evaluate"}
+RULES = {"split", "regenerate", "tokens", "tokens_regenerated", "extract", "vocab_count", "vocab", "train", "export", "evaluate"}
 GPU_RULES = {"extract", "train", "evaluate"}
 
 

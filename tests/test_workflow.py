@@ -86,9 +86,17 @@ def test_draft_vocab_size_plans_vocab_and_downstream_only(built):
 
 def test_new_dataset_extracts_only_its_shards(built):
     cfg = base_config()
-    cfg["datasets"].append({"name": "kto", "path": str(TRAIN_DATA / "kto_en_demo.json"), "max_samples": 16})
+    # Listed first, it takes split_0 from alpaca (now split_1): a rule's name is not what makes a job stale.
+    cfg["datasets"].insert(0, {"name": "kto", "path": str(TRAIN_DATA / "kto_en_demo.json"), "max_samples": 16})
     targets = ["build/vocab/mapping.safetensors", *hidden_targets(cfg, {"alpaca": 3, "kto": 2})]
     assert plan(built, cfg, targets) == {"split": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1}
+
+
+def test_a_dataset_setting_redoes_that_dataset(built):
+    # Each dataset's split rule (split_<i>) carries its settings as params: a reading setting redoes its shards.
+    cfg = base_config()
+    cfg["datasets"][0]["format"] = "alpaca"  # was auto: the same records, but how they are read changed
+    assert plan(built, cfg) == {"split": 3, "tokens": 3, "extract": 3, "vocab_count": 3, "vocab": 1}
 
 
 @pytest.mark.parametrize("change", ["aux_layer_ids", "max_length", "revision", "storage_dtype"])
