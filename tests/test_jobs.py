@@ -40,5 +40,7 @@ def test_job_round_trips_named_files_params_and_wildcards(tmp_path):
 def test_every_rule_hands_its_job_to_its_script():
     rules = "".join(p.read_text() for p in (ROOT / "rules").glob("*.smk"))
     declared = set(re.findall(r"^rule (\w+):", rules, re.M))
+    declared |= set(re.findall(r'^\s+name:\s+f"(\w+)_\{', rules, re.M))  # a rule per dataset: split_<i> runs split
+    assert "split" in declared and "tokens" in declared, declared
     handed = set(re.findall(r'stage_command\(\s*"(\w+)"', rules))
     assert handed == declared and all((ROOT / "scripts" / f"{r}.py").exists() for r in declared)
