@@ -8,8 +8,6 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def evaluate(job):
-    import os
-
     from eagle3build.evaluate import evaluate as run_eval
 
     run_eval(os.path.dirname(job.input.draft), dict(job.params.target), [dict(job.params.eval_set)], job.output.metrics,

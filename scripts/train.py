@@ -8,8 +8,6 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def train(job):
-    import os
-
     from eagle3build.launch import launch
 
     launch(hidden_paths=list(job.input.hidden), mapping_path=job.input.mapping, target=dict(job.params.target),
