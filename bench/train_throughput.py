@@ -8,8 +8,9 @@ One step is what `eagle3build.train` does per micro-batch: the target's draft-vo
 clipping and fused AdamW, with fp32 master weights under bf16 autocast. The greedy-in-draft flag is
 cached per sample by the trainer (once per run), so it is computed before timing. Synthetic inputs
 already on the device, every row weighted (as the peers' bench; --loss-fraction masks a share of each
-256 tokens as chat prompts are, and the step then computes the lm_head and loss at the loss rows only,
-as training does), the same batch every step, so the loss must fall.
+256 tokens as chat prompts are, and the step then computes the lm_head and loss at the loss rows only
+and TTT steps 1.. at the rows with a loss there only, as training does; --no-step-rows computes every
+row at steps 1.. for comparison), the same batch every step, so the loss must fall.
 
 Reported per sequence length: tokens/s (mean over the timed steps), model-FLOPs utilisation against
 an 8192^3 bf16 matmul timed in the same process (FLOPs counted as peer-train-bench counts them),
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3build.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.target import TargetHead  # noqa: E402
-from eagle3build.train import LOSS_ROWS_MULTIPLE  # noqa: E402
+from eagle3build.train import LOSS_ROWS_MULTIPLE, compile_length_multiple  # noqa: E402
 from eagle3build.ttt import (  # noqa: E402
     MathMergedAttention,
     PackedBatch,
@@ -48,6 +49,7 @@ from eagle3build.ttt import (  # noqa: E402
     ttt_forward,
     weighted_loss,
     with_loss_rows,
+    with_step_rows,
 )
 
 PRESETS = {
@@ -153,11 +155,14 @@ def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
     )
 
 
-def build(shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0, ttt: int = 7):
+def build(
+    shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0, ttt: int = 7, step_rows: bool = True
+):
     """Random-weight draft + target head and one synthetic packed batch of T tokens.
 
     loss_fraction < 1 masks the first (1 - loss_fraction) of every 256 tokens, as a chat sample's prompts
-    are masked; the batch's loss rows are chosen and laid out on the host, as training does.
+    are masked; the batch's loss rows (and step rows, unless step_rows is False) are chosen and laid out
+    on the host, as training does.
     """
     H, V, K = shape["hidden"], shape["vocab"], shape["draft_vocab"]
     g = torch.Generator(device=device).manual_seed(seed)
@@ -196,7 +201,10 @@ def build(shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0
         final=torch.randn(T, H, device=device, generator=g).to(data_dtype),
         greedy_in_draft=torch.ones(T, dtype=torch.bool, device=device),  # every loss row weighted
     )
-    return draft, scorer, with_loss_rows(batch.to("cpu"), ttt, LOSS_ROWS_MULTIPLE).to(device)
+    batch = with_loss_rows(batch.to("cpu"), ttt, LOSS_ROWS_MULTIPLE)
+    if step_rows:  # rounded as training rounds them: to its length buckets where it compiles (GPU)
+        batch = with_step_rows(batch, compile_length_multiple(T) if device.type == "cuda" else 1)
+    return draft, scorer, batch.to(device)
 
 
 def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
@@ -259,8 +267,11 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        draft, scorer, batch = build(shape, T, device, loss_fraction=args.loss_fraction, ttt=args.ttt)
+        draft, scorer, batch = build(
+            shape, T, device, loss_fraction=args.loss_fraction, ttt=args.ttt, step_rows=args.step_rows
+        )
         result["loss_fraction"] = args.loss_fraction
+        result["step_rows"] = None if batch.step_rows is None else len(batch.step_rows)
         compile_rest = variant == "compiled"
         if cuda:
             attention = make_attention("flex", compile=True)
@@ -341,6 +352,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--loss-fraction", type=float, default=1.0,
                     help="share of tokens with a loss (1: every row, as the peers compute; chat data: ~0.6)")
+    ap.add_argument("--no-step-rows", dest="step_rows", action="store_false",
+                    help="TTT steps 1.. compute every row, not only the rows with a loss there")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fast-vs-dense check")

@@ -53,6 +53,7 @@ from .ttt import (
     weighted_loss,
     with_greedy_in_draft,
     with_loss_rows,
+    with_step_rows,
 )
 
 DEFAULTS = {
@@ -87,8 +88,8 @@ DEFAULTS = {
     "norm_before_residual": False,
     "hidden_size": None,
 }
-COMPILE_LENGTH_BUCKETS = 8  # compiled runs pad packed batches to one of this many lengths (dynamo's
-# recompile limit is 8 per function), each a multiple of 1024 tokens at least
+COMPILE_LENGTH_BUCKETS = 8  # compiled runs pad packed batches to one of this many lengths (each kernel
+# compiles once per length, for training and validation: ttt.compiled), each a multiple of 1024 tokens at least
 
 
 def compile_length_multiple(batch_tokens: int) -> int:
@@ -665,6 +666,7 @@ def train(
         if compile_flex:  # compiled kernels are specialised to the length: a few length buckets
             batch = pad_batch(batch, compile_length_multiple(p["batch_tokens"]))
         batch = with_loss_rows(batch, p["ttt_steps"], LOSS_ROWS_MULTIPLE if compile_flex else 1)
+        batch = with_step_rows(batch, compile_length_multiple(p["batch_tokens"]) if compile_flex else 1)
         return batch.pin_memory() if cuda else batch
 
     def make_batch(sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:

@@ -49,6 +49,9 @@ class PackedBatch:
     loss_rows: torch.Tensor | None = None  # int64 [M]: the target rows j the loss reads
     loss_source: torch.Tensor | None = None  # int64 [k, M]: step s's output row for j, j - 1 - s (clamped)
     loss_weight: torch.Tensor | None = None  # bool [k, M]: row j carries a loss at step s
+    # with_step_rows; None: every step computes every row. Otherwise the rows whose output the steps
+    # compute (step 0's keys and values at every row), and loss_source indexes into them:
+    step_rows: torch.Tensor | None = None  # int64 [R], sorted
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +157,8 @@ def with_loss_rows(batch: PackedBatch, steps: int, multiple: int = 1) -> PackedB
 def loss_layout(batch: PackedBatch, rows: torch.Tensor, steps: int) -> PackedBatch:
     """The batch with loss rows `rows` (N marks padding) and, per step s, the output row p = j - 1 - s
     that predicts row j's target and whether it carries a loss: p inside the batch and in j's sample,
-    x[j + 1] an assistant token of that sample, and the target's greedy token at j in the draft vocab."""
+    x[j + 1] an assistant token of that sample, and the target's greedy token at j in the draft vocab.
+    Where the batch has step rows, p is indexed among them (every p with a loss is one of them)."""
     n = batch.num_tokens
     source = rows - 1 - torch.arange(steps, device=rows.device)[:, None]  # [S, M]
     j = rows.clamp(max=n - 1)
@@ -163,7 +167,33 @@ def loss_layout(batch: PackedBatch, rows: torch.Tensor, steps: int) -> PackedBat
     weight &= batch.doc[source] == batch.doc[j]
     if batch.greedy_in_draft is not None:
         weight &= batch.greedy_in_draft[j]
+    if batch.step_rows is not None:
+        source = torch.searchsorted(batch.step_rows, source).clamp(max=len(batch.step_rows) - 1)
     return replace(batch, loss_rows=rows, loss_source=source, loss_weight=weight)
+
+
+def with_step_rows(batch: PackedBatch, multiple: int = 1) -> PackedBatch:
+    """The batch (laid out by with_loss_rows) with its step rows, the rows whose output the TTT steps
+    compute: those with a loss at some step, plus spare rows up to a multiple of `multiple` (compiled
+    kernels see the lengths the batches are padded to); the batch unchanged if that is every row.
+
+    Why this is exact: every row's step-0 keys and values are computed (every later query reads them),
+    and beyond them row p's output at step s reads only row p's earlier steps. So a row with no loss at
+    any step changes nothing that is trained: on chat data most of a prompt is such rows, and after its
+    step-0 q/k/v and attention they are skipped as their lm_head already is. Rows whose loss the
+    greedy-in-draft flags remove later (with_greedy_in_draft) stay: still exact.
+    """
+    assert batch.loss_rows is not None and batch.step_rows is None, "lay out the loss rows first (with_loss_rows)"
+    n, steps = batch.num_tokens, len(batch.loss_weight)
+    needed = torch.zeros(n, dtype=torch.bool, device=batch.doc.device)
+    needed[batch.loss_source[batch.loss_weight]] = True
+    count = int(needed.sum())
+    size = max(-(-count // multiple), 1) * multiple  # never 0 rows: compiled kernels specialise on 0
+    if size >= n:
+        return batch
+    needed[(~needed).nonzero().flatten()[: size - count]] = True  # spare rows: computed, never read
+    batch = replace(batch, step_rows=needed.nonzero().flatten())
+    return loss_layout(batch, batch.loss_rows, steps)
 
 
 def with_greedy_in_draft(batch: PackedBatch, greedy: torch.Tensor) -> PackedBatch:
@@ -183,8 +213,13 @@ def compiled(fn: Callable, **kwargs) -> Callable:
     TORCHINDUCTOR_CACHE_DIR at /cache) and makes the training step ≈2% faster (BENCHMARKS.md §2).
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 turns it off.
     """
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
+    # A kernel compiled for static shapes meets each of training's length buckets (the step rows are
+    # rounded to them too) with gradients and again under no_grad in validation: dynamo's default
+    # limit (8 compilations per function) would run the rest eagerly.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 16)
     inductor_config.coordinate_descent_tuning = os.environ.get("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1") == "1"
     return torch.compile(fn, **kwargs)
 
@@ -227,27 +262,29 @@ class TargetScorer:
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def _step_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
-    """Dense bool mask [N, (step+1)*N]: causal within a sample over step-0 keys + the diagonals."""
+def _step_mask(doc: torch.Tensor, step: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense bool mask [R, N + step*R]: causal within a sample over the N step-0 keys + the diagonals,
+    for queries at `rows` (R of them; None: every row, R = N)."""
     n = len(doc)
     idx = torch.arange(n, device=doc.device)
-    causal = (idx[None, :] <= idx[:, None]) & (doc[None, :] == doc[:, None])
-    eye = torch.eye(n, dtype=torch.bool, device=doc.device)
+    at = idx if rows is None else rows
+    causal = (idx[None, :] <= at[:, None]) & (doc[None, :] == doc[at][:, None])
+    eye = torch.eye(len(at), dtype=torch.bool, device=doc.device)
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
-def reference_attention(q, keys, values, doc, step, scale):
+def reference_attention(q, keys, values, doc, step, scale, rows=None):
     """Explicit math: softmax(q k^T * scale + mask) v, kv heads repeated for GQA."""
     k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~_step_mask(doc, step), float("-inf"))
+    scores = scores.masked_fill(~_step_mask(doc, step, rows), float("-inf"))
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
-def sdpa_attention(q, keys, values, doc, step, scale):
-    mask = _step_mask(doc, step)
+def sdpa_attention(q, keys, values, doc, step, scale, rows=None):
+    mask = _step_mask(doc, step, rows)
     return F.scaled_dot_product_attention(
         q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -311,8 +348,14 @@ class MergedAttention:
 
     compile = False
 
-    def __call__(self, q, keys, values, doc, step, scale):
-        out, lse = self.causal(q, keys[0], values[0], doc, scale)
+    def __call__(self, q, keys, values, doc, step, scale, rows=None):
+        if rows is None:
+            out, lse = self.causal(q, keys[0], values[0], doc, scale)
+        else:  # queries at `rows` only: the causal kernel runs at the length it was built for (the
+            # other rows' queries are 0 and their outputs dropped, so they reach no gradient)
+            every = q.new_zeros(*q.shape[:2], len(doc), q.shape[3]).index_copy(2, rows, q)
+            out, lse = self.causal(every, keys[0], values[0], doc, scale)
+            out, lse = out[:, :, rows], lse[:, :, rows]
         return merge_diagonal(q, out, lse, keys[1:], values[1:], scale, self.compile)
 
 
@@ -460,7 +503,8 @@ def ttt_forward(
     Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order at the loss
     rows j: step s contributes its output row j - 1 - s (weight 0 where that is before the batch or
     outside j's sample), so the target tensors serve every step as they are, and one loss call covers
-    all steps.
+    all steps. Past step 0's q/k/v and attention, the steps compute the batch's step rows only, if it has
+    them (with_step_rows).
     """
     n = batch.num_tokens
     if batch.loss_rows is None:  # every row, laid out here (training lays batches out on the host)
@@ -483,14 +527,23 @@ def ttt_forward(
     # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
     # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
     embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
+    rows = batch.step_rows
     keys, values, at_target = [], [], []
     for s in range(steps):
-        position = (batch.position + s).unsqueeze(0)
-        step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
+        at = None if s == 0 else rows  # step 0's keys and values at every row: every query reads them
+        if at is None:
+            position = (batch.position + s).unsqueeze(0)
+            step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
+        else:
+            position = (batch.position[at] + s).unsqueeze(0)
+            step_embed_qkv = embed_qkv[at + 1 + s].unsqueeze(0)
         q, k, v, residual = layer_in(model, fused, step_embed_qkv, hidden, position)
         keys.append(k)
         values.append(v)
-        hidden = layer_out(model, fused, attention(q, keys, values, batch.doc, s, scale), residual)
+        attn_out = attention(q, keys, values, batch.doc, s, scale, at)
+        if s == 0 and rows is not None:  # the rest of the steps at the step rows only
+            attn_out, residual = attn_out[:, :, rows], residual[:, rows]
+        hidden = layer_out(model, fused, attn_out, residual)
         at_target.append(hidden[0, source[s]])
     at_target = torch.stack(at_target, dim=1)  # [M, S, H]
     if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them

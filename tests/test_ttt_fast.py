@@ -124,6 +124,25 @@ def test_padding_a_batch_changes_no_loss_or_count():
     assert pad_batch(batch, 7) is batch  # 21 tokens: already a multiple
 
 
+def loss_and_grads(model, scorer, batch, attention):
+    """One TTT forward + backward: the stats and every parameter's gradient."""
+    from eagle3build.ttt import ttt_forward
+
+    model.zero_grad()
+    stats = ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), 3, attention)
+    stats.loss_sum.sum().backward()
+    return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_loss_counts_and_grads(got, expected):
+    (stats, grads), (stats_e, grads_e) = got, expected
+    assert torch.allclose(stats.loss_sum, stats_e.loss_sum, atol=1e-5)
+    assert torch.equal(stats.count, stats_e.count) and torch.equal(stats.correct, stats_e.correct)
+    assert grads.keys() == grads_e.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, grads_e[name], atol=1e-5), name
+
+
 def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
     """The lm_head, loss and target distribution computed at the loss rows only (padded to a bucket)
     equal computing them at every row: rows outside carry no weight at any step."""
@@ -140,13 +159,7 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
     batch = pad_batch(pack(samples), 16)
     batch.greedy_in_draft = scorer.greedy_in_draft(batch.final)
 
-    def run(b):
-        model.zero_grad()
-        stats = ttt_forward(model, b, scorer.draft_probs(b.loss_final), 3, MathMergedAttention())
-        stats.loss_sum.sum().backward()
-        return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    every, every_grads = run(batch)
+    every = loss_and_grads(model, scorer, batch, MathMergedAttention())
     for multiple in (1, 8):
         with_rows = with_loss_rows(batch, 3, multiple)
         rows = with_rows.loss_rows
@@ -154,15 +167,61 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
         assert int((rows < batch.num_tokens).sum()) == int(
             (batch.loss_mask[1:] & (batch.doc[1:] == batch.doc[:-1])).sum()
         )
-        got, got_grads = run(with_rows)
-        assert torch.allclose(got.loss_sum, every.loss_sum, atol=1e-5)
-        assert torch.equal(got.count, every.count) and torch.equal(got.correct, every.correct)
-        assert got_grads.keys() == every_grads.keys()
-        for name, grad in got_grads.items():
-            assert torch.allclose(grad, every_grads[name], atol=1e-5), name
+        assert_same_loss_counts_and_grads(loss_and_grads(model, scorer, with_rows, MathMergedAttention()), every)
     prompts_only = with_loss_rows(replace(batch, loss_mask=torch.zeros_like(batch.loss_mask)), 3, 8)
     assert len(prompts_only.loss_rows) == 8  # padding only: compiled kernels never see 0 rows
     stats = ttt_forward(model, prompts_only, scorer.draft_probs(prompts_only.loss_final), 3, MathMergedAttention())
     assert float(stats.count.sum()) == 0 and float(stats.loss_sum.detach().abs().sum()) == 0
     with pytest.raises(ValueError, match="loss_final"):
         ttt_forward(model, with_loss_rows(batch, 3, 8), scorer.draft_probs(batch.final), 3, MathMergedAttention())
+
+
+@pytest.mark.parametrize("attention", ["merged", "sdpa", "reference"])
+def test_step_rows_give_every_loss_count_and_gradient_of_all_rows(attention):
+    """The steps computed at the rows with a loss only (padded with spare rows to a multiple), past step
+    0's keys and values, equal computing every row at every step: a prompt's rows feed nothing else."""
+    from dataclasses import replace
+
+    from test_model_ttt import random_samples, tiny_draft
+
+    from eagle3build.ttt import (
+        MathMergedAttention,
+        make_attention,
+        pack,
+        pad_batch,
+        with_greedy_in_draft,
+        with_loss_rows,
+        with_step_rows,
+    )
+
+    attend = MathMergedAttention() if attention == "merged" else make_attention(attention)
+    model, _, scorer = tiny_draft()
+    samples = random_samples([14, 6, 16], seed=6)
+    for _ids, mask, _ in samples:  # a chat sample: a prompt, an answer, a second prompt and answer
+        mask[:7] = False
+        mask[-4:-2] = False
+    padded = pad_batch(pack(samples), 8)
+    batch = with_loss_rows(padded, 3, 4)
+
+    def run(b):
+        return loss_and_grads(model, scorer, b, attend)
+
+    every = run(batch)
+    for multiple in (1, 4):
+        compact = with_step_rows(batch, multiple)
+        rows = compact.step_rows
+        assert rows is not None and len(rows) % multiple == 0 and len(rows) < batch.num_tokens
+        assert torch.equal(rows, rows.unique())  # sorted, no row twice
+        assert_same_loss_counts_and_grads(run(compact), every)
+    assert with_step_rows(batch, batch.num_tokens).step_rows is None  # every row anyway: unchanged
+
+    # the greedy flags folded in after the step rows were chosen (training's first epoch): still exact
+    greedy = scorer.greedy_in_draft(batch.final)
+    assert_same_loss_counts_and_grads(
+        run(with_greedy_in_draft(with_step_rows(batch, 4), greedy)), run(with_greedy_in_draft(batch, greedy))
+    )
+
+    prompts_only = with_step_rows(with_loss_rows(replace(padded, loss_mask=torch.zeros_like(padded.loss_mask)), 3, 4), 4)
+    assert len(prompts_only.step_rows) == 4  # spare rows only: compiled kernels never see 0 rows
+    got, _ = run(prompts_only)
+    assert float(got.count.sum()) == 0 and float(got.loss_sum.detach().abs().sum()) == 0
