@@ -15,7 +15,8 @@ each row says what that family costs per job): each rule's `run:` block replaced
 (what a port to shell would print per job), then by `shell: "true"`, then no `log:`; and, on its own, `script` —
 every rule as a `script:` job, as the project was before the twelfth session (Snakemake reads every planned
 script job's source, even in a dry-run). --job-start times an executed job as `script:`, as a spawned `run:`
-job, and as `run:` under --force-use-threads with a child process (what the rules do now). They are measurements, not options: the project keeps every directive.
+job, and as `run:` under --force-use-threads with a child process (what the rules do now). They are
+measurements, not options: the project keeps every directive.
 """
 
 from __future__ import annotations
