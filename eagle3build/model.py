@@ -248,6 +248,10 @@ class Eagle3Draft(nn.Module):
         back into the named parameters, so the checkpoint layout is unchanged. Build it once per
         training step and pass it to `qkv`/`finish`/`logits` for every TTT step.
         """
+        return FusedWeights(*self.fused_weight_tensors(dtype))
+
+    def fused_weight_tensors(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """fused_weights' tensors, in FusedWeights' field order: a tuple, which torch.compile'd code returns as is."""
         layer, H = self.midlayer, self.config.hidden_size
         attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
@@ -258,7 +262,7 @@ class Eagle3Draft(nn.Module):
         def cat(*weights):
             return torch.cat([cast(w) for w in weights])
 
-        return FusedWeights(
+        return (
             cat(*(w[:, :H] * layer.input_layernorm.weight for w in qkv)),  # (n * g) @ W.T == n @ (W * g).T
             cat(*(w[:, H:] for w in qkv)),
             cat(mlp.gate_proj.weight, mlp.up_proj.weight),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from .model import Eagle3Draft, attention_scale
+from .model import Eagle3Draft, FusedWeights, attention_scale
 from .target import TargetHead, rms_norm
 
 ATTENTION_IMPLS = ("flex", "sdpa", "reference")
@@ -477,6 +477,10 @@ def _kernel(fn: Callable, compile: bool) -> Callable:
     return _COMPILED[fn.__name__]
 
 
+def _fused_weight_tensors(model, dtype):
+    return model.fused_weight_tensors(dtype)
+
+
 def _layer_in(model, fused, embed_qkv, hidden, position):
     return model.qkv(None, hidden, position, fused, embed_qkv)
 
@@ -520,7 +524,9 @@ def ttt_forward(
     target_argmax = target_probs.argmax(-1)
     source, weight = batch.loss_source, batch.loss_weight.T.to(target_probs.dtype, memory_format=torch.contiguous_format)
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    fused = model.fused_weights(dtype)  # once per batch, shared by the steps
+    # Once per batch, shared by the steps. Compiled, the casts, concatenations and the scale fold are a
+    # few fused kernels forward and backward instead of eager copies and zero-filled slice gradients.
+    fused = FusedWeights(*_kernel(_fused_weight_tensors, compile)(model, dtype))
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
     loss_fn = _kernel(soft_cross_entropy, compile)
     hidden = model.fuse(batch.aux).unsqueeze(0)  # [1, N, H]

@@ -1,0 +1,96 @@
+"""The compiled training step with step rows whose count changes from batch to batch (GPU).
+
+    python3 bench/compiled_step_rows_check.py                   # SmolLM2's head shape, T = 4096
+    python3 bench/compiled_step_rows_check.py --preset llama8b  # the training benchmark's shape
+
+Training rounds each batch's step rows up to its length buckets, so a compiled kernel meets the rows
+count R of several buckets, with gradients and under no_grad (validation). For batches whose share of
+loss tokens gives R = 2/4, 3/4 and all of T (then no step rows at all), this runs the compiled step
+(flex attention, compiled layer halves, LSE merge, loss) with and without step rows on the same weights
+and checks: the same per-step losses, gradients equal to bf16 rounding, and no graph break or eager
+fallback in dynamo's counters. The CPU suite checks the same equalities with Inductor's CPU backend
+(tests/test_ttt_fast.py); flex attention's backward needs the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_throughput import PRESETS, build, loss_and_grads  # noqa: E402
+
+from eagle3build.ttt import make_attention, ttt_forward  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="smollm2", choices=list(PRESETS))
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--loss-fractions", type=float, nargs="+", default=[0.6, 0.3, 1.0, 0.6])
+    ap.add_argument("--grad-rtol", type=float, default=1e-3, help="worst relative gradient-norm difference allowed")
+    ap.add_argument("--out", help="results JSON")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("compiled_step_rows_check: needs a CUDA GPU (flex attention has no CPU backward)")
+    import torch._dynamo.utils as dynamo_utils
+
+    device = torch.device("cuda")
+    attention = make_attention("flex", compile=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    checks, ok = [], True
+    for fraction in args.loss_fractions:
+        runs = {}
+        for step_rows in (True, False):
+            draft, scorer, batch = build(
+                PRESETS[args.preset], args.seq, device, loss_fraction=fraction, ttt=args.ttt, step_rows=step_rows
+            )
+            started = time.perf_counter()
+            losses, grads = loss_and_grads(draft, scorer, batch, attention, args.ttt, True, autocast)
+            with torch.no_grad(), autocast:  # what validation runs
+                stats = ttt_forward(draft, batch, scorer.draft_probs(batch.loss_final), args.ttt, attention, compile=True)
+            runs[step_rows] = dict(
+                rows=None if batch.step_rows is None else len(batch.step_rows),
+                losses=losses,
+                grads=grads,
+                no_grad_losses=(stats.loss_sum / stats.count).float().cpu(),
+                seconds=round(time.perf_counter() - started, 1),
+            )
+        fast, every = runs[True], runs[False]
+        worst = max(float((fast["grads"][n] - g).norm() / g.norm()) for n, g in every["grads"].items())
+        check = dict(
+            loss_fraction=fraction,
+            step_rows=fast["rows"],
+            of_rows=args.seq,
+            loss_max_diff=float((fast["losses"] - every["losses"]).abs().max()),
+            no_grad_loss_max_diff=float((fast["no_grad_losses"] - every["no_grad_losses"]).abs().max()),
+            worst_relative_grad_diff=worst,
+            seconds=[fast["seconds"], every["seconds"]],
+        )
+        check["ok"] = fast["grads"].keys() == every["grads"].keys() and worst <= args.grad_rtol
+        check["ok"] &= check["loss_max_diff"] <= 1e-4 and check["no_grad_loss_max_diff"] <= 1e-4
+        ok &= check["ok"]
+        checks.append(check)
+        print(json.dumps(check), flush=True)
+    counters = {k: dict(v) for k, v in dynamo_utils.counters.items() if k in ("frames", "graph_break", "unimplemented")}
+    ok &= not counters.get("graph_break") and not counters.get("unimplemented")
+    result = dict(
+        preset=args.preset, seq=args.seq, ttt=args.ttt, device=torch.cuda.get_device_name(), torch=torch.__version__,
+        checks=checks, dynamo_counters=counters, ok=ok,
+    )
+    print(f"dynamo: {counters}\n{'OK' if ok else 'FAILED'}: {len(checks)} batches")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
