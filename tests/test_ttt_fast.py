@@ -235,9 +235,12 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     CPU backend), with loss rows and step rows. Same losses, counts and gradients as the eager step."""
     from test_model_ttt import random_samples, tiny_draft
 
+    from eagle3build import ttt
     from eagle3build.ttt import MathMergedAttention, pack, pad_batch, with_loss_rows, with_step_rows
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
+    monkeypatch.setattr(ttt, "_COMPILED", {})  # compiled here, whatever ran before
+    monkeypatch.setattr(ttt, "_MERGE_COMPILED", None)
     model, _, scorer = tiny_draft()
     samples = random_samples([14, 6, 16], seed=7)
     for _ids, mask, _ in samples:
@@ -247,3 +250,5 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     eager = loss_and_grads(model, scorer, batch, MathMergedAttention())
     compiled = loss_and_grads(model, scorer, batch, MathMergedAttention(compile=True), compile=True)
     assert_same_loss_counts_and_grads(compiled, eager, relative=True)
+    kernels = [*ttt._COMPILED.values(), ttt._MERGE_COMPILED]
+    assert len(kernels) == 5 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)
