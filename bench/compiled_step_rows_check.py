@@ -9,7 +9,9 @@ loss tokens gives R = 2/4, 3/4 and all of T (then no step rows at all), this run
 (flex attention, compiled layer halves, LSE merge, loss) with and without step rows on the same weights
 and checks: the same per-step losses, gradients equal to bf16 rounding, and no graph break or eager
 fallback in dynamo's counters. The CPU suite checks the same equalities with Inductor's CPU backend
-(tests/test_ttt_fast.py); flex attention's backward needs the GPU.
+(tests/test_ttt_fast.py); flex attention's backward needs the GPU. Inductor's coordinate-descent tuning is
+off unless TORCHINDUCTOR_COORDINATE_DESCENT_TUNING says otherwise: it changes kernel speed, not results,
+and would add minutes of compilation for each of these shapes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 import torch
 
+os.environ.setdefault("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import PRESETS, build, loss_and_grads  # noqa: E402
