@@ -568,6 +568,9 @@ def train(
             "train.attention", "flex attention has no backward on CPU in torch; use sdpa or auto"
         )
     compile_flex = cuda if p["compile"] == "auto" else bool(p["compile"])
+    # compiled kernels are specialised to the length: batches padded to a few length buckets, and their
+    # step rows rounded to the same buckets
+    length_multiple = compile_length_multiple(p["batch_tokens"]) if compile_flex else 1
 
     # ---- inputs, checked against each other
     target = load_target_head(target_path)
@@ -663,10 +666,9 @@ def train(
         batch = pack([data.load(data.samples[i], data_dtype) for i in sample_ids])
         if all(i in greedy_cache for i in sample_ids):  # after the first epoch: travels with the batch
             batch.greedy_in_draft = torch.cat([greedy_cache[i] for i in sample_ids])
-        if compile_flex:  # compiled kernels are specialised to the length: a few length buckets
-            batch = pad_batch(batch, compile_length_multiple(p["batch_tokens"]))
+        batch = pad_batch(batch, length_multiple)
         batch = with_loss_rows(batch, p["ttt_steps"], LOSS_ROWS_MULTIPLE if compile_flex else 1)
-        batch = with_step_rows(batch, compile_length_multiple(p["batch_tokens"]) if compile_flex else 1)
+        batch = with_step_rows(batch, length_multiple)
         return batch.pin_memory() if cuda else batch
 
     def make_batch(sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:
