@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
@@ -14,8 +15,17 @@ from test_train import FAST, make_inputs
 
 from eagle3build.train import train
 
-torch.set_num_threads(1)
 PARAMS = {**FAST, "epochs": 3, "batch_tokens": 32, "checkpoint_every": 1000, "val_fraction": 0.2}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The single-process reference runs here with the workers' one thread: the same float sums. (A module-level
+    setting would be overridden by whichever test module pytest imports last.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _free_port() -> int:
