@@ -21,6 +21,7 @@ flex + LSE merge) with the dense `sdpa` path on the same weights (loss and gradi
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import platform
@@ -219,6 +220,11 @@ def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
     return (stats.loss_sum / stats.count).detach().float().cpu(), grads
 
 
+def relative_grad_diffs(grads: dict, reference: dict) -> dict[str, float]:
+    """|g - ref| / |ref| per parameter (Frobenius norms)."""
+    return {n: float((grads[n] - r).norm() / r.norm().clamp(min=1e-30)) for n, r in reference.items()}
+
+
 def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, autocast) -> dict:
     """Fast path vs the dense-mask sdpa path, same weights and batch (both bf16 autocast on GPU)."""
     fast_loss, fast_grads = loss_and_grads(draft, scorer, batch, fast_attention, ttt, compile, autocast)
@@ -229,7 +235,7 @@ def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, auto
         n: float(torch.nn.functional.cosine_similarity(fast_grads[n].flatten(), g.flatten(), dim=0))
         for n, g in dense_grads.items()
     }
-    rel = {n: float((fast_grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in dense_grads.items()}
+    rel = relative_grad_diffs(fast_grads, dense_grads)
     return dict(
         step_loss_fast=[round(float(x), 5) for x in fast_loss],
         step_loss_dense=[round(float(x), 5) for x in dense_loss],
@@ -241,7 +247,8 @@ def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, auto
 
 
 def profile_step(step, device, path: Path) -> str:
-    """torch.profiler table of one step (top kernels by their own device time) written to `path`."""
+    """torch.profiler table of one step (top kernels by their own device time) written to `path`, and on the
+    GPU its Chrome trace beside it (`.trace.json.gz`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -253,6 +260,12 @@ def profile_step(step, device, path: Path) -> str:
             sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=60, max_name_column_width=90
         )
         path.write_text(table)
+        if cuda:  # the timeline too (gaps, order, launch times), for chrome://tracing or Perfetto
+            trace = path.with_suffix(".trace.json")
+            prof.export_chrome_trace(str(trace))
+            with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            trace.unlink()
         return str(path.name)
     except Exception as e:  # noqa: BLE001 - the profile is a diagnostic, never a failure
         return f"failed: {type(e).__name__}: {e}"

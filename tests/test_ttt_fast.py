@@ -242,13 +242,21 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     monkeypatch.setattr(ttt, "_COMPILED", {})  # compiled here, whatever ran before
     monkeypatch.setattr(ttt, "_MERGE_COMPILED", None)
     model, _, scorer = tiny_draft()
-    samples = random_samples([14, 6, 16], seed=7)
-    for _ids, mask, _ in samples:
-        mask[:5] = False
-    batch = with_step_rows(with_loss_rows(pad_batch(pack(samples), 8), 3, 4), 4)
-    assert batch.step_rows is not None
-    eager = loss_and_grads(model, scorer, batch, MathMergedAttention())
-    compiled = loss_and_grads(model, scorer, batch, MathMergedAttention(compile=True), compile=True)
-    assert_same_loss_counts_and_grads(compiled, eager, relative=True)
+
+    def batch(prompt: int):
+        samples = random_samples([14, 6, 16], seed=7)
+        for _ids, mask, _ in samples:
+            mask[:prompt] = False
+        return with_step_rows(with_loss_rows(pad_batch(pack(samples), 8), 3, 4), 4)
+
+    # As in training, batches with other loss-row and step-row counts follow (recompiled, dynamic in the
+    # loss rows), then the first layout again: every one gives the eager step's losses and gradients.
+    layouts = [batch(5), batch(9), batch(0), batch(5)]
+    assert layouts[0].step_rows is not None and len({len(b.step_rows) for b in layouts[:3]}) == 3
+    assert len({len(b.loss_rows) for b in layouts[:3]}) == 3
+    merged = MathMergedAttention(compile=True)
+    for b in layouts:
+        eager = loss_and_grads(model, scorer, b, MathMergedAttention())
+        assert_same_loss_counts_and_grads(loss_and_grads(model, scorer, b, merged, compile=True), eager, relative=True)
     kernels = [*ttt._COMPILED.values(), ttt._MERGE_COMPILED]
     assert len(kernels) == 5 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)
