@@ -93,10 +93,8 @@ def main() -> int:
         )
         check["ok"] = fast["grads"].keys() == every["grads"].keys() and check["worst_relative_grad_diff"] <= args.grad_rtol
         check["ok"] &= check["loss_max_diff"] <= 1e-4 and check["no_grad_loss_max_diff"] <= 1e-4
-        if args.reference:  # which of the two is right, should they differ: eager, dense attention, fp32
-            draft, scorer, batch = build(
-                PRESETS[args.preset], args.seq, device, loss_fraction=fraction, ttt=args.ttt, step_rows=False
-            )
+        if args.reference:  # which of the two is right, should they differ: eager, dense attention, fp32,
+            # on the every-row run's weights and batch (the loop's last build; loss_and_grads changes neither)
             _, reference = loss_and_grads(
                 draft, scorer, batch.to(device, torch.float32), make_attention("sdpa"), args.ttt, False, nullcontext()
             )
