@@ -6,7 +6,7 @@
 Training rounds each batch's step rows up to its length buckets, so a compiled kernel meets the rows
 count R of several buckets, with gradients and under no_grad (validation). For batches whose share of
 loss tokens gives R = 2/4, 3/4 and all of T (then no step rows at all), this runs the compiled step
-(flex attention, compiled layer halves, LSE merge, loss) with and without step rows on the same weights
+(flex attention, or --attention's kernel; compiled layer halves, LSE merge, loss) with and without step rows on the same weights
 and checks: the same per-step losses, gradients equal to bf16 rounding, and no graph break or eager
 fallback in dynamo's counters. Each batch is also run eagerly with dense attention in fp32 (the
 reference: both bf16 runs within --ref-rtol of it), and a batch seen before (the same inputs) must give
@@ -33,7 +33,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import PRESETS, build, loss_and_grads, relative_grad_diffs  # noqa: E402
 
-from eagle3build.ttt import make_attention, ttt_forward  # noqa: E402
+from eagle3build.ttt import FlexAttention, make_attention, ttt_forward  # noqa: E402
+
+
+class ContiguousFlex(FlexAttention):
+    """Flex attention given contiguous q, k and v. The every-row path hands flex a transposed query and
+    key/value views; compiled flex backward has given wrong gradients for some input strides before
+    (pytorch#146377), so this tells whether the strides matter should the check fail."""
+
+    def causal(self, q, k, v, doc, scale):
+        return super().causal(q.contiguous(), k.contiguous(), v.contiguous(), doc, scale)
 
 
 def worst(diffs: dict[str, float]) -> dict:
@@ -54,6 +63,9 @@ def main() -> int:
                     help="worst relative gradient difference allowed against the fp32 dense reference (bf16 runs)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="skip the fp32 dense-attention reference of every batch")
+    ap.add_argument("--attention", default="flex", choices=["flex", "flex-contiguous", "flash", "cudnn"],
+                    help="the causal attention's kernel (flash/cudnn: kernel_attention.py; flex-contiguous: flex "
+                         "given contiguous copies of q, k and v)")
     ap.add_argument("--out", help="results JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -61,7 +73,7 @@ def main() -> int:
     import torch._dynamo.utils as dynamo_utils
 
     device = torch.device("cuda")
-    attention = make_attention("flex", compile=True)
+    attention = ContiguousFlex(compile=True) if args.attention == "flex-contiguous" else make_attention(args.attention, compile=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     checks, ok, seen = [], True, {}
     for fraction in args.loss_fractions:
@@ -113,7 +125,7 @@ def main() -> int:
     counters = {k: dict(v) for k, v in dynamo_utils.counters.items() if k in ("frames", "graph_break", "unimplemented")}
     ok &= not counters.get("graph_break") and not counters.get("unimplemented")
     result = dict(
-        preset=args.preset, seq=args.seq, ttt=args.ttt, device=torch.cuda.get_device_name(), torch=torch.__version__,
+        preset=args.preset, seq=args.seq, ttt=args.ttt, attention=args.attention, device=torch.cuda.get_device_name(), torch=torch.__version__,
         checks=checks, dynamo_counters=counters, ok=ok,
     )
     print(f"dynamo: {counters}\n{'OK' if ok else 'FAILED'}: {len(checks)} batches")

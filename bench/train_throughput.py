@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3build.kernel_attention import KERNELS, check_kernel  # noqa: E402
 from eagle3build.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.target import TargetHead  # noqa: E402
 from eagle3build.train import LOSS_ROWS_MULTIPLE, compile_length_multiple  # noqa: E402
@@ -286,8 +287,11 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         result["loss_fraction"] = args.loss_fraction
         result["step_rows"] = None if batch.step_rows is None else len(batch.step_rows)
         compile_rest = variant == "compiled"
-        if cuda:
-            attention = make_attention("flex", compile=True)
+        result["attention"] = args.attention
+        if cuda or args.attention != "flex":
+            if args.attention in KERNELS:  # torch's private kernel ops: as training, checked first
+                result["kernel_check"] = check_kernel(args.attention, device)
+            attention = make_attention(args.attention, compile=True)
             attention.compile = compile_rest  # flex is always compiled; the LSE merge only in "compiled"
         else:  # flex has no CPU backward: the same merge with a dense causal part
             attention = MathMergedAttention(compile=compile_rest)
@@ -347,7 +351,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
             result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         result["ok"] = True
         if args.profile and out_dir is not None:
-            result["profile"] = profile_step(step, device, out_dir / f"profile_T{T}_{variant}.txt")
+            result["profile"] = profile_step(step, device, out_dir / f"profile_T{T}_{variant}{'' if args.attention == 'flex' else '_' + args.attention}.txt")
     except Exception as e:  # noqa: BLE001 - a failing variant is recorded and the next one runs
         result["error"] = f"{type(e).__name__}: {e}"[:2000]
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -369,6 +373,8 @@ def main() -> int:
                     help="TTT steps 1.. compute every row, not only the rows with a loss there")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
+    ap.add_argument("--attention", default="flex", choices=["flex", *KERNELS],
+                    help="the causal attention's kernel: flex, or torch's varlen flash/cudnn (kernel_attention.py)")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fast-vs-dense check")
     ap.add_argument("--check-seq", type=int, default=2048, help="run the check only at this length")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one step per length")

@@ -36,6 +36,7 @@ from torch import nn
 from . import FORMAT_VERSIONS
 from .atomic import atomic_path, save_safetensors_atomic, write_json_atomic
 from .errors import ConfigError, UserError
+from .kernel_attention import KERNELS, check_kernel
 from .model import DraftConfig, Eagle3Draft
 from .shards import HIDDEN_FORMAT, dequantize_fp8, read_meta
 from .target import TargetHead, load_target_head
@@ -74,7 +75,7 @@ DEFAULTS = {
     "checkpoint_every": 500,
     "keep_checkpoints": 2,
     "log_every": 10,
-    "attention": "auto",  # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference
+    "attention": "auto",  # auto (flex on GPU, sdpa on CPU) | flex | flash | cudnn | sdpa | reference
     "compile": "auto",  # auto (on GPU) | true | false: torch.compile the TTT step (flex, layer, loss)
     "fsdp": False,  # multi-process runs: shard weights, gradients and AdamW moments (FSDP2) instead of DDP
     "init_lm_head_from_target": True,
@@ -567,6 +568,13 @@ def train(
         raise ConfigError(
             "train.attention", "flex attention has no backward on CPU in torch; use sdpa or auto"
         )
+    if attention_impl == "cudnn" and not cuda:
+        raise ConfigError("train.attention", "cudnn attention needs a GPU; use auto, sdpa or flash")
+    if attention_impl in KERNELS:  # torch's private kernel ops: checked against the math before anything loads
+        try:
+            check_kernel(attention_impl, device)
+        except RuntimeError as e:
+            raise ConfigError("train.attention", str(e)) from e
     compile_flex = cuda if p["compile"] == "auto" else bool(p["compile"])
     # compiled kernels are specialised to the length: batches padded to a few length buckets, and their
     # step rows rounded to the same buckets

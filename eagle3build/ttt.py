@@ -12,9 +12,10 @@ Alignment (packed batch, position p of a sample of length L; `j = p + 1 + s` at 
 Attention at step s: a query at p sees the step-0 keys at positions <= p of its own sample (causal,
 never across packed samples) and the keys of steps 1..s at p itself (the "diagonal"), in one softmax.
 
-Three attention implementations share everything else: `flex` (block-sparse flex attention over the
-step-0 keys + an exact log-sum-exp merge of the diagonal keys; compiled on GPU), `sdpa` (dense boolean
-mask over the concatenated keys, fused kernels) and `reference` (dense mask, explicit softmax).
+The attention implementations share everything else: `flex` (block-sparse flex attention over the
+step-0 keys + an exact log-sum-exp merge of the diagonal keys; compiled on GPU), `flash` and `cudnn`
+(the same merge on torch's varlen FlashAttention-2 or cuDNN kernel: kernel_attention.py), `sdpa` (dense
+boolean mask over the concatenated keys, fused kernels) and `reference` (dense mask, explicit softmax).
 tests/test_model_ttt.py checks them against a loop-by-loop implementation.
 """
 
@@ -27,10 +28,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from .kernel_attention import KernelAttention, merge_forward
 from .model import Eagle3Draft, FusedWeights, attention_scale
 from .target import TargetHead, rms_norm
 
-ATTENTION_IMPLS = ("flex", "sdpa", "reference")
+ATTENTION_IMPLS = ("flex", "flash", "cudnn", "sdpa", "reference")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -314,16 +316,7 @@ def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool
 
 
 def _merge(q, causal_out, causal_lse, diag_k, diag_v, scale):
-    b, nh, n, hd = q.shape
-    nkv = diag_k.shape[1]
-    qg = q.view(b, nkv, nh // nkv, n, 1, hd)  # query heads grouped by their kv head
-    diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
-    lse = causal_lse.view(b, nkv, nh // nkv, n, 1).float()
-    weights = torch.softmax(torch.cat((lse, diag_scores), dim=-1), dim=-1)  # [1, nkv, g, N, 1+s]
-    out = weights[..., :1] * causal_out.view(b, nkv, nh // nkv, n, hd).float() + (
-        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
-    ).sum(-2)
-    return out.to(q.dtype).view(b, nh, n, hd)
+    return merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale)[0]  # differentiable in all inputs
 
 
 _MERGE_COMPILED = None
@@ -425,6 +418,8 @@ class FlexAttention(MergedAttention):
 def make_attention(impl: str, compile: bool = False) -> Callable:
     if impl == "flex":
         return FlexAttention(compile)
+    if impl in ("flash", "cudnn"):
+        return KernelAttention(impl, compile)
     if impl == "sdpa":
         return sdpa_attention
     if impl == "reference":

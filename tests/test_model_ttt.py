@@ -155,14 +155,14 @@ def grads_of(model, loss):
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3])
-def test_three_ttt_paths_agree_with_naive_loops(steps):
+def test_ttt_attention_paths_agree_with_naive_loops(steps):
     torch.manual_seed(0)
     model, _, scorer = tiny_draft()
     samples = random_samples([7, 5, 9], seed=steps)
     naive = naive_ttt(model, samples, scorer, steps, 0.8)
     naive_grads = grads_of(model, naive)
     assert naive.item() > 0
-    for impl in ("reference", "sdpa", "merged-math", "flex"):
+    for impl in ("reference", "sdpa", "merged-math", "flash", "flex"):
         if impl == "flex" and not torch.cuda.is_available():
             with torch.no_grad():  # torch has no flex backward on CPU; its mask is checked separately
                 loss = batched_loss(model, samples, scorer, steps, impl, 0.8)

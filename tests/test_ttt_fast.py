@@ -178,7 +178,7 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
         ttt_forward(model, with_loss_rows(batch, 3, 8), scorer.draft_probs(batch.final), 3, MathMergedAttention())
 
 
-@pytest.mark.parametrize("attention", ["merged", "sdpa", "reference"])
+@pytest.mark.parametrize("attention", ["merged", "flash", "sdpa", "reference"])
 def test_step_rows_give_every_loss_count_and_gradient_of_all_rows(attention):
     """The steps computed at the rows with a loss only (padded with spare rows to a multiple), past step
     0's keys and values, equal computing every row at every step: a prompt's rows feed nothing else."""
@@ -235,12 +235,13 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     CPU backend), with loss rows and step rows. Same losses, counts and gradients as the eager step."""
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build import ttt
+    from eagle3build import kernel_attention, ttt
     from eagle3build.ttt import MathMergedAttention, pack, pad_batch, with_loss_rows, with_step_rows
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
     monkeypatch.setattr(ttt, "_COMPILED", {})  # compiled here, whatever ran before
     monkeypatch.setattr(ttt, "_MERGE_COMPILED", None)
+    monkeypatch.setattr(kernel_attention, "_COMPILED_MERGE", {})
     model, _, scorer = tiny_draft()
 
     def batch(prompt: int):
@@ -255,8 +256,10 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     assert layouts[0].step_rows is not None and len({len(b.step_rows) for b in layouts[:3]}) == 3
     assert len({len(b.loss_rows) for b in layouts[:3]}) == 3
     merged = MathMergedAttention(compile=True)
+    kernel = kernel_attention.KernelAttention("flash", compile=True)  # the kernel's merge and its backward
     for b in layouts:
         eager = loss_and_grads(model, scorer, b, MathMergedAttention())
         assert_same_loss_counts_and_grads(loss_and_grads(model, scorer, b, merged, compile=True), eager, relative=True)
-    kernels = [*ttt._COMPILED.values(), ttt._MERGE_COMPILED]
-    assert len(kernels) == 5 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)
+        assert_same_loss_counts_and_grads(loss_and_grads(model, scorer, b, kernel, compile=True), eager, relative=True)
+    kernels = [*ttt._COMPILED.values(), ttt._MERGE_COMPILED, *kernel_attention._COMPILED_MERGE.values()]
+    assert len(kernels) == 7 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)

@@ -1,0 +1,347 @@
+"""TTT attention on a fused attention kernel built into torch: FlashAttention-2 or cuDNN, both varlen.
+
+The causal part (every query over the step-0 keys of its own sample) runs as one varlen attention: the
+packed samples are separate sequences, so no block across samples is computed. The diagonal keys of
+steps 1..s are folded in exactly, as in `ttt.merge_diagonal`.
+
+Why a custom backward: the merge differentiates the causal part's log-sum-exp, and these kernels'
+backward takes no log-sum-exp gradient. It needs none: given the *merged* output O and log-sum-exp L,
+a kernel's backward computes exactly the causal keys' share of the merged softmax's gradient,
+dS_ij = exp(s_ij - L_i) (dO_i·v_j - dO_i·O_i), the identity ring attention relies on. So the forward
+keeps O and L of the whole softmax, the backward hands them to the kernel's backward, and the diagonal
+keys' share is a few elementwise ops (`_merge_backward`).
+
+The kernels are torch's own ops, aten::_flash_attention_forward/_backward and
+aten::_cudnn_attention_forward/_backward: torch's public `torch.nn.attention.varlen` calls them, but they
+are private and may change with torch. `check_kernel` compares a kernel with explicit math on a tiny
+problem in a second; training runs it before the first step, so a torch whose ops changed fails there
+with a message, not with wrong gradients. On CPU, `flash` runs torch's CPU flash kernel (dense, with
+the sample mask): the same algorithm, for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("flash", "cudnn")
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A packed batch's samples as varlen sequences: the kernels' view of `doc`."""
+
+    n: int  # tokens
+    cu: torch.Tensor  # int32 [D + 1]: where each sample starts, then N
+    max_len: int
+    bias: torch.Tensor | None = None  # CPU kernel: additive mask [N, N], 0 where a query sees a key
+
+
+def segments(doc: torch.Tensor, dense_bias_dtype: torch.dtype | None = None) -> Segments:
+    """The sample boundaries of `doc` (samples are contiguous runs). Reads two numbers back from the
+    device: once per batch, since the caller caches the result for all steps."""
+    counts = torch.unique_consecutive(doc, return_counts=True)[1]
+    cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    bias = None
+    if dense_bias_dtype is not None:
+        idx = torch.arange(len(doc), device=doc.device)
+        visible = (idx[None, :] <= idx[:, None]) & (doc[None, :] == doc[:, None])
+        bias = torch.zeros(visible.shape, dtype=dense_bias_dtype, device=doc.device).masked_fill(~visible, float("-inf"))
+    return Segments(len(doc), cu, int(counts.max()) if len(counts) else 0, bias)
+
+
+def _varlen(t: torch.Tensor) -> torch.Tensor:
+    """[1, heads, N, d] -> [N, heads, d], a view (the varlen kernels' layout)."""
+    return t[0].transpose(0, 1)
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """[N, heads, d] -> [1, heads, N, d], a view."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """[1, N, heads, d] memory seen as [1, heads, N, d]: the layout the varlen kernels read and write
+    without copies, and the one o_proj reads (attn_out.transpose(1, 2) is then a view)."""
+    return t.transpose(1, 2)
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv heads repeated for their query heads (GQA), dim 1."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of _expand_kv: summed over each kv head's query heads, dim 1."""
+    if grad.shape[1] == kv_heads:
+        return grad
+    b, h, *rest = grad.shape
+    return grad.view(b, kv_heads, h // kv_heads, *rest).sum(2)
+
+
+class FlashKernel:
+    """torch's FlashAttention-2, varlen and GQA-native (CUDA); torch's CPU flash kernel on CPU."""
+
+    name = "flash"
+
+    def __init__(self, varlen: bool | None = None):
+        self.varlen = varlen  # None: the varlen kernel on CUDA, the CPU kernel on CPU
+
+    def forward(self, q, k, v, seg: Segments, scale: float):
+        """-> output [1, nh, N, hd] and log-sum-exp [1, nh, N] (fp32, natural log, scale applied)."""
+        if not (q.is_cuda if self.varlen is None else self.varlen):
+            heads = q.shape[1]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, _expand_kv(k, heads), _expand_kv(v, heads), 0.0, False, attn_mask=seg.bias, scale=scale
+            )
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            _varlen(q), _varlen(k), _varlen(v), seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, False, scale=scale
+        )
+        return _batched(out), lse.unsqueeze(0)  # lse [nh, N] for varlen
+
+    def backward(self, dout, q, k, v, out, lse, seg: Segments, scale: float):
+        if not (q.is_cuda if self.varlen is None else self.varlen):
+            heads, kv_heads = q.shape[1], k.shape[1]
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout.contiguous(), q, _expand_kv(k, heads), _expand_kv(v, heads), out.contiguous(), lse.contiguous(),
+                0.0, False, attn_mask=seg.bias, scale=scale,
+            )  # fmt: skip
+            return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+        unused = torch.empty(0, device=q.device)
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            _varlen(dout), _varlen(q), _varlen(k), _varlen(v), _varlen(out), lse[0].contiguous(), seg.cu, seg.cu,
+            seg.max_len, seg.max_len, 0.0, True, rng_state, unused, scale=scale,
+        )  # fmt: skip
+        return _batched(dq), _batched(dk), _batched(dv)
+
+
+class CudnnKernel:
+    """cuDNN's fused attention, varlen (CUDA only). Its varlen path has no GQA: kv heads are repeated."""
+
+    name = "cudnn"
+    # layouts of the softmax statistics cuDNN's varlen path may return, each to [1, nh, N] and back (the
+    # forward picks the one that fits; check_kernel verifies that it means what it is taken to mean)
+    LSE_LAYOUTS = {
+        "N,nh,1": (lambda t: t[..., 0].T.unsqueeze(0), lambda t: t[0].T.unsqueeze(-1)),
+        "nh,N": (lambda t: t.unsqueeze(0), lambda t: t[0]),
+        "N,nh": (lambda t: t.T.unsqueeze(0), lambda t: t[0].T),
+        "1,nh,N": (lambda t: t, lambda t: t),
+        "1,nh,N,1": (lambda t: t[..., 0], lambda t: t.unsqueeze(-1)),
+    }
+
+    def __init__(self):
+        self.lse_layout = None  # as the forward found it
+
+    def forward(self, q, k, v, seg: Segments, scale: float):
+        heads = q.shape[1]
+        res = torch.ops.aten._cudnn_attention_forward(
+            _varlen(q), _varlen(_expand_kv(k, heads)), _varlen(_expand_kv(v, heads)), None, seg.cu, seg.cu,
+            seg.max_len, seg.max_len, True, 0.0, True, False, scale=scale,
+        )  # fmt: skip
+        sizes = {"N": seg.n, "nh": heads, "1": 1}
+        layouts = [x for x in self.LSE_LAYOUTS if tuple(sizes[d] for d in x.split(",")) == tuple(res[1].shape)]
+        if not layouts:
+            raise RuntimeError(f"cuDNN returned softmax statistics of shape {tuple(res[1].shape)} for {heads} heads, {seg.n} tokens")
+        self.lse_layout = layouts[0]
+        return _batched(res[0]), self.LSE_LAYOUTS[self.lse_layout][0](res[1])
+
+    def backward(self, dout, q, k, v, out, lse, seg: Segments, scale: float):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        none = torch.empty(0, device=q.device)
+        stats = self.LSE_LAYOUTS[self.lse_layout][1](lse).contiguous()
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            _varlen(dout), _varlen(q), _varlen(_expand_kv(k, heads)), _varlen(_expand_kv(v, heads)), _varlen(out),
+            stats, none, none, none, seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, scale=scale,
+        )  # fmt: skip
+        return _batched(dq), _reduce_kv(_batched(dk), kv_heads), _reduce_kv(_batched(dv), kv_heads)
+
+
+def make_kernel(name):
+    """A kernel by name (`KERNELS`), or a kernel object as it is."""
+    if not isinstance(name, str):
+        return name
+    if name == "flash":
+        return FlashKernel()
+    if name == "cudnn":
+        return CudnnKernel()
+    raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------- merge
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, nh, N, ...] -> [b, nkv, g, N, ...]: query heads grouped by their kv head."""
+    b, h, *rest = t.shape
+    return t.view(b, kv_heads, h // kv_heads, *rest)
+
+
+def merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale):
+    """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
+    (output and log-sum-exp of the causal attention) and the diagonals diag_k/diag_v [1, nkv, N, s, hd].
+    Also flex's merge (ttt.merge_diagonal), where autograd differentiates it."""
+    nkv = diag_k.shape[1]
+    diag_scores = (_grouped(q, nkv).unsqueeze(-2) * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
+    scores = torch.cat((_grouped(causal_lse, nkv).unsqueeze(-1).float(), diag_scores), dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
+    weights = torch.exp(scores - lse.unsqueeze(-1))
+    out = weights[..., :1] * _grouped(causal_out, nkv).float() + (
+        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
+    ).sum(-2)
+    return _token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
+
+
+def _merge_backward(dout, q, lse, delta, diag_k, diag_v, scale):
+    """The diagonal keys' share of the merged softmax's gradient: dq (fp32) and the diagonals' dk, dv.
+    delta = rowsum(dout * out), [1, nh, N] fp32."""
+    nkv = diag_k.shape[1]
+    qg, dog = _grouped(q, nkv).unsqueeze(-2), _grouped(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
+    diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
+    weights = torch.exp(diag_scores - _grouped(lse, nkv).unsqueeze(-1))
+    d_scores = weights * ((dog * diag_v.unsqueeze(2)).float().sum(-1) - _grouped(delta, nkv).unsqueeze(-1)) * scale
+    dq = (d_scores.unsqueeze(-1) * diag_k.unsqueeze(2).float()).sum(-2).flatten(1, 2)  # [1, nh, N, hd]
+    dk = (d_scores.unsqueeze(-1) * qg.float()).sum(2)  # [1, nkv, N, s, hd]
+    dv = (weights.unsqueeze(-1) * dog.float()).sum(2)
+    return dq, dk.to(diag_k.dtype), dv.to(diag_v.dtype)
+
+
+_COMPILED_MERGE: dict[str, object] = {}
+
+
+def _merge_fn(fn, compile: bool):
+    if not compile:
+        return fn
+    if fn.__name__ not in _COMPILED_MERGE:
+        from .ttt import compiled
+
+        _COMPILED_MERGE[fn.__name__] = compiled(fn)  # dynamic in the marked dims only
+    return _COMPILED_MERGE[fn.__name__]
+
+
+def _mark_diagonals_dynamic(*tensors):
+    for t in tensors:  # the number of diagonals grows by one per step: one compilation for all steps
+        if t.shape[3] > 1:  # s = 1 is specialised (size-1 dims always are)
+            torch._dynamo.mark_dynamic(t, 3)
+
+
+class _KernelMergedAttention(torch.autograd.Function):
+    """Causal attention over the step-0 keys by a kernel, merged with the diagonals; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, diag_k, diag_v, rows, kernel, seg, scale, compile):
+        if rows is None:
+            every = q
+        else:  # the kernel runs at its full length; the other rows' queries are 0 and their outputs dropped
+            every = _token_major(q.new_zeros(q.shape[0], seg.n, q.shape[1], q.shape[3])).index_copy(2, rows, q)
+        causal_out, causal_lse = kernel.forward(every, k0, v0, seg, scale)
+        at_rows = (causal_out, causal_lse) if rows is None else (causal_out[:, :, rows], causal_lse[:, :, rows])
+        if diag_k is None:
+            out, lse = at_rows[0], at_rows[1]
+        else:
+            if compile:
+                _mark_diagonals_dynamic(diag_k, diag_v)
+            out, lse = _merge_fn(merge_forward, compile)(q, *at_rows, diag_k, diag_v, scale)
+        ctx.save_for_backward(q, every, k0, v0, diag_k, diag_v, out, lse, causal_lse, rows)
+        ctx.kernel, ctx.seg, ctx.scale, ctx.compile = kernel, seg, scale, compile
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, every, k0, v0, diag_k, diag_v, out, lse, causal_lse, rows = ctx.saved_tensors
+        kernel, seg, scale = ctx.kernel, ctx.seg, ctx.scale
+        if rows is None:
+            dq, dk0, dv0 = kernel.backward(dout, every, k0, v0, out, lse, seg, scale)
+        else:  # rows without a query get dout = 0, so they add nothing; their lse only needs to be finite
+            full = torch.zeros_like(every)  # token-major, as every
+            dq, dk0, dv0 = kernel.backward(
+                full.index_copy(2, rows, dout), every, k0, v0, full.index_copy(2, rows, out),
+                causal_lse.index_copy(2, rows, lse), seg, scale,
+            )  # fmt: skip
+            dq = dq[:, :, rows]
+        d_diag_k = d_diag_v = None
+        if diag_k is not None:
+            delta = (dout.float() * out.float()).sum(-1)
+            if ctx.compile:
+                _mark_diagonals_dynamic(diag_k, diag_v)
+            dq_diag, d_diag_k, d_diag_v = _merge_fn(_merge_backward, ctx.compile)(
+                dout, q, lse, delta, diag_k, diag_v, scale
+            )
+            dq = (dq.float() + dq_diag).to(q.dtype)
+        return dq, dk0, dv0, d_diag_k, d_diag_v, None, None, None, None, None
+
+
+class KernelAttention:
+    """TTT attention (the `attention` callable of ttt_forward) on a fused kernel: `flash` or `cudnn`."""
+
+    def __init__(self, kernel, compile: bool = False):
+        self.kernel = make_kernel(kernel)
+        self.compile = compile  # the merge's elementwise work as compiled kernels
+        self._key = self._segments = None  # the batch the cached segments belong to
+
+    def segments(self, doc: torch.Tensor, dtype: torch.dtype) -> Segments:
+        # keyed on the tensor object, which the cache keeps alive: a new batch is a new doc tensor
+        if self._key is None or self._key[0] is not doc or self._key[1] != dtype:
+            self._segments = segments(doc, dtype if doc.device.type == "cpu" else None)
+            self._key = (doc, dtype)
+        return self._segments
+
+    def __call__(self, q, keys, values, doc, step, scale, rows=None):
+        diag_k = diag_v = None
+        if len(keys) > 1:
+            diag_k, diag_v = torch.stack(keys[1:], dim=-2), torch.stack(values[1:], dim=-2)  # [1, nkv, R, s, hd]
+        seg = self.segments(doc, q.dtype)
+        return _KernelMergedAttention.apply(
+            q, keys[0], values[0], diag_k, diag_v, rows, self.kernel, seg, scale, self.compile
+        )
+
+
+def check_kernel(kernel, device, dtype=torch.bfloat16, rtol: float = 3e-2) -> dict:
+    """Compare the kernel attention with explicit fp32 math on a tiny TTT problem (GQA, two samples,
+    two diagonal steps, step rows): outputs and gradients. Raises RuntimeError naming what differs;
+    returns the relative errors."""
+    from .ttt import reference_attention
+
+    label = getattr(kernel, "name", kernel)
+    device = torch.device(device)
+    if device.type == "cpu":
+        dtype = torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    n, heads, kv_heads, hd, scale = 192, 4, 2, 64, 0.125
+    doc = torch.repeat_interleave(torch.arange(2, device=device), torch.tensor([120, 72], device=device))
+    rows = torch.arange(0, n, 3, device=device)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, generator=g).to(dtype).requires_grad_()
+
+    q = rand(1, heads, len(rows), hd)
+    keys = [rand(1, kv_heads, n, hd)] + [rand(1, kv_heads, len(rows), hd) for _ in range(2)]
+    values = [rand(1, kv_heads, n, hd)] + [rand(1, kv_heads, len(rows), hd) for _ in range(2)]
+    dout = torch.randn(1, heads, len(rows), hd, device=device, generator=g).to(dtype)
+    leaves = [q, *keys, *values]
+    errors = {}
+    try:
+        out = KernelAttention(kernel)(q, keys, values, doc, 2, scale, rows)
+        grads = torch.autograd.grad(out, leaves, dout)
+    except Exception as e:
+        raise RuntimeError(
+            f"attention kernel {label!r} does not run in torch {torch.__version__} on {device}: "
+            f"{type(e).__name__}: {e}. Set train.attention: flex"
+        ) from e
+    with torch.autocast(device.type, enabled=False):
+        ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+        rq, rk, rv = ref_leaves[0], ref_leaves[1:4], ref_leaves[4:]
+        ref = reference_attention(rq, rk, rv, doc, 2, scale, rows)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
+        ref = ref.detach()
+    names = ["q", "k0", "k1", "k2", "v0", "v1", "v2"]
+    errors["out"] = float((out.detach().float() - ref).norm() / ref.norm())
+    for name, a, b in zip(names, grads, ref_grads, strict=True):
+        errors[f"d{name}"] = float((a.float() - b).norm() / b.norm())
+    bad = {k: v for k, v in errors.items() if not v <= rtol}
+    if bad:
+        raise RuntimeError(
+            f"attention kernel {label!r} disagrees with the math reference in torch {torch.__version__} on "
+            f"{device} (relative errors {bad}, tolerance {rtol}). Set train.attention: flex"
+        )
+    return errors

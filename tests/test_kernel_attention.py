@@ -1,0 +1,131 @@
+"""The fused-kernel TTT attention: its startup check passes on a working kernel and stops on a changed one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3build.errors import ConfigError
+from eagle3build.kernel_attention import FlashKernel, check_kernel, segments
+
+torch.set_num_threads(2)
+
+
+def test_segments_are_the_packed_samples():
+    doc = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    seg = segments(doc, torch.float32)
+    assert seg.n == 9 and seg.cu.tolist() == [0, 3, 5, 9] and seg.cu.dtype == torch.int32 and seg.max_len == 4
+    visible = seg.bias == 0  # the CPU kernel's mask: causal inside a sample only
+    assert visible[4].tolist() == [False, False, False, True, True, False, False, False, False]
+
+
+def test_check_kernel_passes_on_cpu_flash():
+    errors = check_kernel("flash", "cpu")
+    assert set(errors) == {"out", "dq", "dk0", "dk1", "dk2", "dv0", "dv1", "dv2"}
+    assert max(errors.values()) < 1e-5
+
+
+def test_check_kernel_stops_a_kernel_whose_lse_convention_changed(monkeypatch):
+    """A torch whose kernel backward read the log-sum-exp differently (say base 2) gives wrong
+    gradients silently; the check names the kernel and the config key to change."""
+    backward = FlashKernel.backward
+
+    def base2_backward(self, dout, q, k, v, out, lse, seg, scale):
+        return backward(self, dout, q, k, v, out, lse * 1.4426950408889634, seg, scale)
+
+    monkeypatch.setattr(FlashKernel, "backward", base2_backward)
+    with pytest.raises(RuntimeError, match=r"'flash' disagrees .*Set train.attention: flex"):
+        check_kernel("flash", "cpu")
+
+
+def test_train_refuses_cudnn_on_cpu_before_loading_anything(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    from eagle3build.train import train
+
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="train.attention"):
+        train([missing], missing, missing, str(tmp_path / "out"), str(tmp_path / "state"), {"attention": "cudnn"})
+
+
+def test_train_reports_a_kernel_that_fails_its_check(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    from eagle3build import train as train_module
+
+    def broken(name, device):
+        raise RuntimeError(f"attention kernel {name!r} does not run")
+
+    monkeypatch.setattr(train_module, "check_kernel", broken)
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="train.attention.*does not run"):
+        train_module.train(
+            [missing], missing, missing, str(tmp_path / "out"), str(tmp_path / "state"), {"attention": "flash"}
+        )
+
+
+def test_cudnn_adapter_layouts_with_a_cpu_stand_in(monkeypatch):
+    """The cuDNN kernel's plumbing (varlen layout, repeated kv heads and their summed gradients, the
+    softmax statistics' [N, nh, 1] layout there and back), run through check_kernel with a CPU stand-in
+    for aten::_cudnn_attention_forward/_backward that computes with torch's CPU flash kernel."""
+    cpu = torch.ops.aten
+
+    def mask(cu, n, dtype):
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
+        return segments(doc, dtype).bias
+
+    def forward(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale):
+        assert bias is None and lse and causal and q.shape[1] == k.shape[1] == v.shape[1]  # no GQA there
+        out, lse = cpu._scaled_dot_product_flash_attention_for_cpu(
+            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, False, attn_mask=mask(cu_q, len(q), q.dtype),
+            scale=scale,
+        )  # fmt: skip
+        return out[0].transpose(0, 1), lse[0].T.unsqueeze(-1), cu_q, cu_k, max_q, max_k, None, None, None
+
+    def backward(dout, q, k, v, out, stats, seed, offset, bias, cu_q, cu_k, max_q, max_k, dropout, causal, *, scale):
+        assert stats.shape == (len(q), q.shape[1], 1)
+        grads = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (dout, q, k, v, out)), stats[..., 0].T.unsqueeze(0),
+            0.0, False, attn_mask=mask(cu_q, len(q), q.dtype), scale=scale,
+        )  # fmt: skip
+        return tuple(g[0].transpose(0, 1) for g in grads)
+
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", forward, raising=False)
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_backward", backward, raising=False)
+    assert max(check_kernel("cudnn", "cpu").values()) < 1e-5
+
+
+def test_flash_varlen_adapter_with_a_cpu_stand_in(monkeypatch):
+    """The varlen FlashAttention-2 path's plumbing (token-major views, native GQA, lse [nh, N] there and
+    back), run through check_kernel with a CPU stand-in for aten::_flash_attention_forward/_backward."""
+    cpu = torch.ops.aten
+
+    def batched(t, heads):  # [N, h, d] -> [1, heads, N, d], kv heads repeated as FA2 does inside
+        t = t.transpose(0, 1).unsqueeze(0)
+        return t.repeat_interleave(heads // t.shape[1], dim=1).contiguous()
+
+    def mask(cu, dtype):
+        doc = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
+        return segments(doc, dtype).bias
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
+        assert causal and max_q == max_k == 120 and cu_q.dtype == torch.int32
+        heads = q.shape[1]
+        out, lse = cpu._scaled_dot_product_flash_attention_for_cpu(
+            batched(q, heads), batched(k, heads), batched(v, heads), 0.0, False, attn_mask=mask(cu_q, q.dtype), scale=scale
+        )
+        return out[0].transpose(0, 1), lse[0], None, None, None
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        assert lse.shape == (heads, len(q)) and lse.is_contiguous()
+        dq, dk, dv = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(batched(t, heads) for t in (dout, q, k, v, out)), lse.unsqueeze(0), 0.0, False,
+            attn_mask=mask(cu_q, q.dtype), scale=scale,
+        )  # fmt: skip
+        dk, dv = (g.view(1, kv_heads, heads // kv_heads, *g.shape[2:]).sum(2) for g in (dk, dv))
+        return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    assert max(check_kernel(FlashKernel(varlen=True), "cpu").values()) < 1e-5
