@@ -134,11 +134,21 @@ class CudnnKernel:
 
     def __init__(self):
         self.lse_layout = None  # as the forward found it
+        self._expanded: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last two (kv, its heads repeated)
+
+    def expand(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """_expand_kv, kept for the step-0 keys and values that every step of a batch reads."""
+        for source, expanded in self._expanded:
+            if source is t:
+                return expanded
+        expanded = _expand_kv(t, heads)
+        self._expanded = [*self._expanded[-1:], (t, expanded)]
+        return expanded
 
     def forward(self, q, k, v, seg: Segments, scale: float):
         heads = q.shape[1]
         res = torch.ops.aten._cudnn_attention_forward(
-            _varlen(q), _varlen(_expand_kv(k, heads)), _varlen(_expand_kv(v, heads)), None, seg.cu, seg.cu,
+            _varlen(q), _varlen(self.expand(k, heads)), _varlen(self.expand(v, heads)), None, seg.cu, seg.cu,
             seg.max_len, seg.max_len, True, 0.0, True, False, scale=scale,
         )  # fmt: skip
         sizes = {"N": seg.n, "nh": heads, "1": 1}
@@ -153,7 +163,7 @@ class CudnnKernel:
         none = torch.empty(0, device=q.device)
         stats = self.LSE_LAYOUTS[self.lse_layout][1](lse).contiguous()
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            _varlen(dout), _varlen(q), _varlen(_expand_kv(k, heads)), _varlen(_expand_kv(v, heads)), _varlen(out),
+            _varlen(dout), _varlen(q), _varlen(self.expand(k, heads)), _varlen(self.expand(v, heads)), _varlen(out),
             stats, none, none, none, seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, scale=scale,
         )  # fmt: skip
         return _batched(dq), _reduce_kv(_batched(dk), kv_heads), _reduce_kv(_batched(dv), kv_heads)
