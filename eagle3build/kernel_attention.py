@@ -69,8 +69,8 @@ def _token_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """kv heads repeated for their query heads (GQA), dim 1."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+    """kv heads repeated for their query heads (GQA), dim 1; token-major, as the queries."""
+    return t if t.shape[1] == heads else _batched(_varlen(t).repeat_interleave(heads // t.shape[1], dim=1))
 
 
 def _reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
