@@ -8,7 +8,8 @@ and its public module names, the target through its config.json and tokenizer.
 Checks: trust policy (remote code needs a pinned revision), target config, tokenizer (under the
 configured trust policy), vocab sizes (tokenizer ids and the draft vocab must fit the target vocab),
 aux layer ids, vLLM (extract_hidden_states + ExampleHiddenStatesConnector), architecture (MLA targets
-are unsupported by the connector), max_model_len, GPUs and GPU memory, free disk.
+are unsupported by the connector), max_model_len, GPUs and GPU memory, the training attention kernel
+(train.attention flash/cudnn), free disk.
 """
 
 from __future__ import annotations
@@ -449,6 +450,27 @@ def check_gpus(ctx: _Context, stage: str) -> Check:
     return Check(name, "ok", "; ".join(parts))
 
 
+def check_attention(ctx: _Context) -> Check:
+    """train.attention flash/cudnn: torch's private kernel ops, run once on a tiny problem against fp32
+    math on this machine's GPU (check_kernel, about a second; training runs it again before loading)."""
+    name = "attention"
+    import torch
+
+    from .kernel_attention import KERNELS, check_kernel
+
+    impl = (ctx.config.get("train") or {}).get("attention", "auto")
+    if impl not in KERNELS:
+        return Check(name, "ok", f"train.attention {impl}: nothing to check")
+    if not torch.cuda.is_available():
+        return Check(name, "skip", f"train.attention {impl}: no CUDA device visible, checked where training runs")
+    try:
+        errors = check_kernel(impl, "cuda")
+    except RuntimeError as e:
+        return Check(name, "fail", str(e), "set train.attention: flex (the default on GPUs)")
+    worst = max(errors, key=errors.get)
+    return Check(name, "ok", f"train.attention {impl} agrees with fp32 math (worst: {worst} {errors[worst]:.1e})")
+
+
 def _existing_parent(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -518,6 +540,7 @@ _CHECKS: list[tuple[str, Callable[[_Context, str], Check], set[str]]] = [
     ("architecture", lambda c, s: check_architecture(c), {"all", "extract"}),
     ("length", lambda c, s: check_max_len(c), {"all", "extract"}),
     ("gpus", check_gpus, {"all", "extract", "train"}),
+    ("attention", lambda c, s: check_attention(c), {"all", "train"}),
     ("disk", lambda c, s: check_disk(c), {"all", "extract"}),
 ]
 

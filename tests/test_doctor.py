@@ -289,3 +289,31 @@ def test_kimi_config_is_valid_and_refused_until_pinned_and_mla_is_decided(tmp_pa
     ctx.full_config, ctx.target_config = KIMI_K25, KIMI_K25["text_config"]  # what the hub config holds
     assert doctor.check_architecture(ctx).status == "fail"
     assert doctor.check_layers(ctx).status == "ok" and doctor.check_max_len(ctx).status == "ok"
+
+
+def test_attention_kernel_is_checked_on_the_gpu_only(tmp_path, monkeypatch):
+    """train.attention flash/cudnn is run against fp32 math where a GPU is visible; a kernel that fails
+    there names the key; elsewhere the check is skipped (training runs it on its own GPU)."""
+    from eagle3build import kernel_attention
+
+    cfg = make_config(tmp_path, "unused", train={"attention": "cudnn"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert doctor.check_attention(doctor._Context(cfg)).status == "skip"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []
+
+    def fake_check(impl, device):
+        calls.append((impl, device))
+        if impl == "cudnn":
+            raise RuntimeError("attention kernel 'cudnn' does not run in torch X on cuda: TypeError: ...")
+        return {"out": 1e-3, "dq": 4e-3}
+
+    monkeypatch.setattr(kernel_attention, "check_kernel", fake_check)
+    check = doctor.check_attention(doctor._Context(cfg))
+    assert check.status == "fail" and "'cudnn' does not run" in check.detail and "train.attention: flex" in check.fix
+    cfg["train"]["attention"] = "flash"
+    check = doctor.check_attention(doctor._Context(cfg))
+    assert check.status == "ok" and "dq 4.0e-03" in check.detail
+    assert calls == [("cudnn", "cuda"), ("flash", "cuda")]
+    cfg["train"]["attention"] = "flex"
+    assert doctor.check_attention(doctor._Context(cfg)).status == "ok" and len(calls) == 2
