@@ -88,6 +88,7 @@ class FlashKernel:
 
     def __init__(self, varlen: bool | None = None):
         self.varlen = varlen  # None: the varlen kernel on CUDA, the CPU kernel on CPU
+        self.rng_state = None  # the forward's (no dropout: handed back unused)
 
     def forward(self, q, k, v, seg: Segments, scale: float):
         """-> output [1, nh, N, hd] and log-sum-exp [1, nh, N] (fp32, natural log, scale applied)."""
@@ -96,9 +97,9 @@ class FlashKernel:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, _expand_kv(k, heads), _expand_kv(v, heads), 0.0, False, attn_mask=seg.bias, scale=scale
             )
-        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        out, lse, *self.rng_state = torch.ops.aten._flash_attention_forward(
             _varlen(q), _varlen(k), _varlen(v), seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, False, scale=scale
-        )
+        )[:4]
         return _batched(out), lse.unsqueeze(0)  # lse [nh, N] for varlen
 
     def backward(self, dout, q, k, v, out, lse, seg: Segments, scale: float):
@@ -109,11 +110,9 @@ class FlashKernel:
                 0.0, False, attn_mask=seg.bias, scale=scale,
             )  # fmt: skip
             return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
-        unused = torch.empty(0, device=q.device)
-        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             _varlen(dout), _varlen(q), _varlen(k), _varlen(v), _varlen(out), lse[0].contiguous(), seg.cu, seg.cu,
-            seg.max_len, seg.max_len, 0.0, True, rng_state, unused, scale=scale,
+            seg.max_len, seg.max_len, 0.0, True, *self.rng_state, scale=scale,
         )  # fmt: skip
         return _batched(dq), _batched(dk), _batched(dv)
 
@@ -134,6 +133,7 @@ class CudnnKernel:
 
     def __init__(self):
         self.lse_layout = None  # as the forward found it
+        self.philox = None  # the forward's dropout seed and offset (no dropout: handed back unused)
         self._expanded: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last two (kv, its heads repeated)
 
     def expand(self, t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -155,16 +155,15 @@ class CudnnKernel:
         layouts = [x for x in self.LSE_LAYOUTS if tuple(sizes[d] for d in x.split(",")) == tuple(res[1].shape)]
         if not layouts:
             raise RuntimeError(f"cuDNN returned softmax statistics of shape {tuple(res[1].shape)} for {heads} heads, {seg.n} tokens")
-        self.lse_layout = layouts[0]
+        self.lse_layout, self.philox = layouts[0], (res[6], res[7])
         return _batched(res[0]), self.LSE_LAYOUTS[self.lse_layout][0](res[1])
 
     def backward(self, dout, q, k, v, out, lse, seg: Segments, scale: float):
         heads, kv_heads = q.shape[1], k.shape[1]
-        none = torch.empty(0, device=q.device)
         stats = self.LSE_LAYOUTS[self.lse_layout][1](lse).contiguous()
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
             _varlen(dout), _varlen(q), _varlen(self.expand(k, heads)), _varlen(self.expand(v, heads)), _varlen(out),
-            stats, none, none, none, seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, scale=scale,
+            stats, *self.philox, None, seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, scale=scale,  # None: no bias
         )  # fmt: skip
         return _batched(dq), _reduce_kv(_batched(dk), kv_heads), _reduce_kv(_batched(dv), kv_heads)
 
@@ -307,9 +306,9 @@ class KernelAttention:
 
 
 def check_kernel(kernel, device, dtype=torch.bfloat16, rtol: float = 3e-2) -> dict:
-    """Compare the kernel attention with explicit fp32 math on a tiny TTT problem (GQA, two samples,
-    two diagonal steps, step rows): outputs and gradients. Raises RuntimeError naming what differs;
-    returns the relative errors."""
+    """Compare the kernel attention with explicit fp32 math on a tiny TTT problem (GQA, two samples, two
+    diagonal steps; queries at every row, and at step rows only): outputs and gradients. Raises
+    RuntimeError naming what differs; returns the relative errors."""
     from .ttt import reference_attention
 
     label = getattr(kernel, "name", kernel)
@@ -319,35 +318,34 @@ def check_kernel(kernel, device, dtype=torch.bfloat16, rtol: float = 3e-2) -> di
     g = torch.Generator(device=device).manual_seed(0)
     n, heads, kv_heads, hd, scale = 192, 4, 2, 64, 0.125
     doc = torch.repeat_interleave(torch.arange(2, device=device), torch.tensor([120, 72], device=device))
-    rows = torch.arange(0, n, 3, device=device)
 
     def rand(*shape):
         return torch.randn(*shape, device=device, generator=g).to(dtype).requires_grad_()
 
-    q = rand(1, heads, len(rows), hd)
-    keys = [rand(1, kv_heads, n, hd)] + [rand(1, kv_heads, len(rows), hd) for _ in range(2)]
-    values = [rand(1, kv_heads, n, hd)] + [rand(1, kv_heads, len(rows), hd) for _ in range(2)]
-    dout = torch.randn(1, heads, len(rows), hd, device=device, generator=g).to(dtype)
-    leaves = [q, *keys, *values]
     errors = {}
-    try:
-        out = KernelAttention(kernel)(q, keys, values, doc, 2, scale, rows)
-        grads = torch.autograd.grad(out, leaves, dout)
-    except Exception as e:
-        raise RuntimeError(
-            f"attention kernel {label!r} does not run in torch {torch.__version__} on {device}: "
-            f"{type(e).__name__}: {e}. Set train.attention: flex"
-        ) from e
-    with torch.autocast(device.type, enabled=False):
-        ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
-        rq, rk, rv = ref_leaves[0], ref_leaves[1:4], ref_leaves[4:]
-        ref = reference_attention(rq, rk, rv, doc, 2, scale, rows)
-        ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
-        ref = ref.detach()
-    names = ["q", "k0", "k1", "k2", "v0", "v1", "v2"]
-    errors["out"] = float((out.detach().float() - ref).norm() / ref.norm())
-    for name, a, b in zip(names, grads, ref_grads, strict=True):
-        errors[f"d{name}"] = float((a.float() - b).norm() / b.norm())
+    for case, rows in (("every", None), ("rows", torch.arange(0, n, 3, device=device))):
+        r = n if rows is None else len(rows)
+        q = rand(1, heads, r, hd)
+        keys = [rand(1, kv_heads, n, hd)] + [rand(1, kv_heads, r, hd) for _ in range(2)]
+        values = [rand(1, kv_heads, n, hd)] + [rand(1, kv_heads, r, hd) for _ in range(2)]
+        dout = torch.randn(1, heads, r, hd, device=device, generator=g).to(dtype)
+        leaves = [q, *keys, *values]
+        try:
+            out = KernelAttention(kernel)(q, keys, values, doc, 2, scale, rows)
+            grads = torch.autograd.grad(out, leaves, dout)
+        except Exception as e:
+            raise RuntimeError(
+                f"attention kernel {label!r} does not run in torch {torch.__version__} on {device}: "
+                f"{type(e).__name__}: {e}. Set train.attention: flex"
+            ) from e
+        with torch.autocast(device.type, enabled=False):
+            ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+            ref = reference_attention(ref_leaves[0], ref_leaves[1:4], ref_leaves[4:], doc, 2, scale, rows)
+            ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
+        out, ref = out.detach().float(), ref.detach()
+        errors[f"{case}.out"] = float((out - ref).norm() / ref.norm())
+        for name, a, b in zip(["q", "k0", "k1", "k2", "v0", "v1", "v2"], grads, ref_grads, strict=True):
+            errors[f"{case}.d{name}"] = float((a.float() - b).norm() / b.norm())
     bad = {k: v for k, v in errors.items() if not v <= rtol}
     if bad:
         raise RuntimeError(

@@ -21,7 +21,8 @@ def test_segments_are_the_packed_samples():
 
 def test_check_kernel_passes_on_cpu_flash():
     errors = check_kernel("flash", "cpu")
-    assert set(errors) == {"out", "dq", "dk0", "dk1", "dk2", "dv0", "dv1", "dv2"}
+    names = {"out", "dq", "dk0", "dk1", "dk2", "dv0", "dv1", "dv2"}
+    assert set(errors) == {f"{case}.{name}" for case in ("every", "rows") for name in names}
     assert max(errors.values()) < 1e-5
 
 
@@ -80,10 +81,11 @@ def test_cudnn_adapter_layouts_with_a_cpu_stand_in(monkeypatch):
             *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, False, attn_mask=mask(cu_q, len(q), q.dtype),
             scale=scale,
         )  # fmt: skip
-        return out[0].transpose(0, 1), lse[0].T.unsqueeze(-1), cu_q, cu_k, max_q, max_k, None, None, None
+        seed, offset = torch.zeros(()), torch.zeros(())
+        return out[0].transpose(0, 1), lse[0].T.unsqueeze(-1), cu_q, cu_k, max_q, max_k, seed, offset, None
 
     def backward(dout, q, k, v, out, stats, seed, offset, bias, cu_q, cu_k, max_q, max_k, dropout, causal, *, scale):
-        assert stats.shape == (len(q), q.shape[1], 1)
+        assert stats.shape == (len(q), q.shape[1], 1) and bias is None and seed.shape == offset.shape == ()
         grads = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
             *(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (dout, q, k, v, out)), stats[..., 0].T.unsqueeze(0),
             0.0, False, attn_mask=mask(cu_q, len(q), q.dtype), scale=scale,
@@ -114,11 +116,11 @@ def test_flash_varlen_adapter_with_a_cpu_stand_in(monkeypatch):
         out, lse = cpu._scaled_dot_product_flash_attention_for_cpu(
             batched(q, heads), batched(k, heads), batched(v, heads), 0.0, False, attn_mask=mask(cu_q, q.dtype), scale=scale
         )
-        return out[0].transpose(0, 1), lse[0], None, None, None
+        return out[0].transpose(0, 1), lse[0], torch.zeros(2), torch.empty(0), None
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale):
         heads, kv_heads = q.shape[1], k.shape[1]
-        assert lse.shape == (heads, len(q)) and lse.is_contiguous()
+        assert lse.shape == (heads, len(q)) and lse.is_contiguous() and rng.shape == (2,) and unused.numel() == 0
         dq, dk, dv = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
             *(batched(t, heads) for t in (dout, q, k, v, out)), lse.unsqueeze(0), 0.0, False,
             attn_mask=mask(cu_q, q.dtype), scale=scale,
