@@ -201,10 +201,10 @@ def merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale):
     return _token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
 
 
-def _merge_backward(dout, q, lse, delta, diag_k, diag_v, scale):
-    """The diagonal keys' share of the merged softmax's gradient: dq (fp32) and the diagonals' dk, dv.
-    delta = rowsum(dout * out), [1, nh, N] fp32."""
+def _merge_backward(dout, q, out, lse, diag_k, diag_v, scale):
+    """The diagonal keys' share of the merged softmax's gradient: dq (fp32) and the diagonals' dk, dv."""
     nkv = diag_k.shape[1]
+    delta = (dout.float() * out.float()).sum(-1)  # [1, nh, N]: what the kernel's backward computes too
     qg, dog = _grouped(q, nkv).unsqueeze(-2), _grouped(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
     diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
     weights = torch.exp(diag_scores - _grouped(lse, nkv).unsqueeze(-1))
@@ -270,11 +270,10 @@ class _KernelMergedAttention(torch.autograd.Function):
             dq = dq[:, :, rows]
         d_diag_k = d_diag_v = None
         if diag_k is not None:
-            delta = (dout.float() * out.float()).sum(-1)
             if ctx.compile:
                 _mark_diagonals_dynamic(diag_k, diag_v)
             dq_diag, d_diag_k, d_diag_v = _merge_fn(_merge_backward, ctx.compile)(
-                dout, q, lse, delta, diag_k, diag_v, scale
+                dout, q, out, lse, diag_k, diag_v, scale
             )
             dq = (dq.float() + dq_diag).to(q.dtype)
         return dq, dk0, dv0, d_diag_k, d_diag_v, None, None, None, None, None
