@@ -24,20 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.ttt import FlexAttention  # noqa: E402
+from eagle3build.ttt import FlexAttention, MathMergedAttention  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
-
-
-def reference(q, k, v, doc, scale):
-    """fp32 math: output and log-sum-exp of the doc-causal attention, kv heads repeated."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    idx = torch.arange(len(doc), device=doc.device)
-    visible = (idx[None, :] <= idx[:, None]) & (doc[None, :] == doc[:, None])
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
 
 
 def one_run(attention, T, heads, kv_heads, hd, doc, layout, seed, device):
@@ -54,7 +43,7 @@ def one_run(attention, T, heads, kv_heads, hd, doc, layout, seed, device):
     out, lse = attention.causal(q, k, v, doc, scale)
     grads = torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse))
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference(*leaves, doc, scale)
+    ref_out, ref_lse = MathMergedAttention().causal(*leaves, doc, scale)  # fp32 math, kv heads repeated
     ref_grads = torch.autograd.grad((ref_out, ref_lse), leaves, (d_out.float(), d_lse))
 
     def rel(a, b):

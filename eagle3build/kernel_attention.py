@@ -2,7 +2,7 @@
 
 The causal part (every query over the step-0 keys of its own sample) runs as one varlen attention: the
 packed samples are separate sequences, so no block across samples is computed. The diagonal keys of
-steps 1..s are folded in exactly, as in `ttt.merge_diagonal`.
+steps 1..s are folded in exactly, by flex's merge (`ttt.merge_forward`).
 
 Why a custom backward: the merge differentiates the causal part's log-sum-exp, and these kernels'
 backward takes no log-sum-exp gradient. It needs none: given the *merged* output O and log-sum-exp L,
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .ttt import _kernel, grouped_heads, merge_forward, reference_attention, stacked_diagonals, token_major
 
 KERNELS = ("flash", "cudnn")
 
@@ -60,12 +62,6 @@ def _varlen(t: torch.Tensor) -> torch.Tensor:
 def _batched(t: torch.Tensor) -> torch.Tensor:
     """[N, heads, d] -> [1, heads, N, d], a view."""
     return t.transpose(0, 1).unsqueeze(0)
-
-
-def _token_major(t: torch.Tensor) -> torch.Tensor:
-    """[1, N, heads, d] memory seen as [1, heads, N, d]: the layout the varlen kernels read and write
-    without copies, and the one o_proj reads (attn_out.transpose(1, 2) is then a view)."""
-    return t.transpose(1, 2)
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -180,58 +176,18 @@ def make_kernel(name):
 
 
 # ---------------------------------------------------------------------------------------------- merge
-def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[b, nh, N, ...] -> [b, nkv, g, N, ...]: query heads grouped by their kv head."""
-    b, h, *rest = t.shape
-    return t.view(b, kv_heads, h // kv_heads, *rest)
-
-
-def merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale):
-    """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
-    (output and log-sum-exp of the causal attention) and the diagonals diag_k/diag_v [1, nkv, N, s, hd].
-    Also flex's merge (ttt.merge_diagonal), where autograd differentiates it."""
-    nkv = diag_k.shape[1]
-    diag_scores = (_grouped(q, nkv).unsqueeze(-2) * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
-    scores = torch.cat((_grouped(causal_lse, nkv).unsqueeze(-1).float(), diag_scores), dim=-1)
-    lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
-    weights = torch.exp(scores - lse.unsqueeze(-1))
-    out = weights[..., :1] * _grouped(causal_out, nkv).float() + (
-        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
-    ).sum(-2)
-    return _token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
-
-
 def _merge_backward(dout, q, out, lse, diag_k, diag_v, scale):
     """The diagonal keys' share of the merged softmax's gradient: dq (fp32) and the diagonals' dk, dv."""
     nkv = diag_k.shape[1]
     delta = (dout.float() * out.float()).sum(-1)  # [1, nh, N]: what the kernel's backward computes too
-    qg, dog = _grouped(q, nkv).unsqueeze(-2), _grouped(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
+    qg, dog = grouped_heads(q, nkv).unsqueeze(-2), grouped_heads(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
     diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
-    weights = torch.exp(diag_scores - _grouped(lse, nkv).unsqueeze(-1))
-    d_scores = weights * ((dog * diag_v.unsqueeze(2)).float().sum(-1) - _grouped(delta, nkv).unsqueeze(-1)) * scale
+    weights = torch.exp(diag_scores - grouped_heads(lse, nkv).unsqueeze(-1))
+    d_scores = weights * ((dog * diag_v.unsqueeze(2)).float().sum(-1) - grouped_heads(delta, nkv).unsqueeze(-1)) * scale
     dq = (d_scores.unsqueeze(-1) * diag_k.unsqueeze(2).float()).sum(-2).flatten(1, 2)  # [1, nh, N, hd]
     dk = (d_scores.unsqueeze(-1) * qg.float()).sum(2)  # [1, nkv, N, s, hd]
     dv = (weights.unsqueeze(-1) * dog.float()).sum(2)
     return dq, dk.to(diag_k.dtype), dv.to(diag_v.dtype)
-
-
-_COMPILED_MERGE: dict[str, object] = {}
-
-
-def _merge_fn(fn, compile: bool):
-    if not compile:
-        return fn
-    if fn.__name__ not in _COMPILED_MERGE:
-        from .ttt import compiled
-
-        _COMPILED_MERGE[fn.__name__] = compiled(fn)  # dynamic in the marked dims only
-    return _COMPILED_MERGE[fn.__name__]
-
-
-def _mark_diagonals_dynamic(*tensors):
-    for t in tensors:  # the number of diagonals grows by one per step: one compilation for all steps
-        if t.shape[3] > 1:  # s = 1 is specialised (size-1 dims always are)
-            torch._dynamo.mark_dynamic(t, 3)
 
 
 class _KernelMergedAttention(torch.autograd.Function):
@@ -242,15 +198,13 @@ class _KernelMergedAttention(torch.autograd.Function):
         if rows is None:
             every = q
         else:  # the kernel runs at its full length; the other rows' queries are 0 and their outputs dropped
-            every = _token_major(q.new_zeros(q.shape[0], seg.n, q.shape[1], q.shape[3])).index_copy(2, rows, q)
+            every = token_major(q.new_zeros(q.shape[0], seg.n, q.shape[1], q.shape[3])).index_copy(2, rows, q)
         causal_out, causal_lse = kernel.forward(every, k0, v0, seg, scale)
         at_rows = (causal_out, causal_lse) if rows is None else (causal_out[:, :, rows], causal_lse[:, :, rows])
         if diag_k is None:
             out, lse = at_rows[0], at_rows[1]
         else:
-            if compile:
-                _mark_diagonals_dynamic(diag_k, diag_v)
-            out, lse = _merge_fn(merge_forward, compile)(q, *at_rows, diag_k, diag_v, scale)
+            out, lse = _kernel(merge_forward, compile, dynamic=None)(q, *at_rows, diag_k, diag_v, scale)
         ctx.save_for_backward(q, every, k0, v0, diag_k, diag_v, out, lse, causal_lse, rows)
         ctx.kernel, ctx.seg, ctx.scale, ctx.compile = kernel, seg, scale, compile
         return out
@@ -270,9 +224,7 @@ class _KernelMergedAttention(torch.autograd.Function):
             dq = dq[:, :, rows]
         d_diag_k = d_diag_v = None
         if diag_k is not None:
-            if ctx.compile:
-                _mark_diagonals_dynamic(diag_k, diag_v)
-            dq_diag, d_diag_k, d_diag_v = _merge_fn(_merge_backward, ctx.compile)(
+            dq_diag, d_diag_k, d_diag_v = _kernel(_merge_backward, ctx.compile, dynamic=None)(
                 dout, q, out, lse, diag_k, diag_v, scale
             )
             dq = (dq.float() + dq_diag).to(q.dtype)
@@ -296,8 +248,8 @@ class KernelAttention:
 
     def __call__(self, q, keys, values, doc, step, scale, rows=None):
         diag_k = diag_v = None
-        if len(keys) > 1:
-            diag_k, diag_v = torch.stack(keys[1:], dim=-2), torch.stack(values[1:], dim=-2)  # [1, nkv, R, s, hd]
+        if len(keys) > 1:  # [1, nkv, R, s, hd], s marked dynamic: the saved tensors keep the mark for backward
+            diag_k, diag_v = stacked_diagonals(keys[1:], values[1:], self.compile)
         seg = self.segments(doc, q.dtype)
         return _KernelMergedAttention.apply(
             q, keys[0], values[0], diag_k, diag_v, rows, self.kernel, seg, scale, self.compile
@@ -308,8 +260,6 @@ def check_kernel(kernel, device, dtype=torch.bfloat16, rtol: float = 3e-2) -> di
     """Compare the kernel attention with explicit fp32 math on a tiny TTT problem (GQA, two samples, two
     diagonal steps; queries at every row, and at step rows only): outputs and gradients. Raises
     RuntimeError naming what differs; returns the relative errors."""
-    from .ttt import reference_attention
-
     label = getattr(kernel, "name", kernel)
     device = torch.device(device)
     if device.type == "cpu":

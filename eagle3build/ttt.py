@@ -28,7 +28,6 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from .kernel_attention import KernelAttention, merge_forward
 from .model import Eagle3Draft, FusedWeights, attention_scale
 from .target import TargetHead, rms_norm
 
@@ -292,6 +291,17 @@ def sdpa_attention(q, keys, values, doc, step, scale, rows=None):
     )
 
 
+def stacked_diagonals(keys, values, compile: bool = False):
+    """The diagonal keys/values of steps 1..s stacked, [1, nkv, N, s, hd] each. compile: their s dim
+    marked dynamic, so the merge's kernels compile once for all steps (s = 1 is specialised: size-1
+    dims always are)."""
+    diag_k, diag_v = torch.stack(keys, dim=-2), torch.stack(values, dim=-2)
+    if compile and len(keys) > 1:
+        torch._dynamo.mark_dynamic(diag_k, 3)
+        torch._dynamo.mark_dynamic(diag_v, 3)
+    return diag_k, diag_v
+
+
 def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool = False):
     """Fold the diagonal keys of steps 1..s into a causal attention result, exactly.
 
@@ -306,27 +316,39 @@ def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool
     """
     if not keys:
         return causal_out
-    diag_k = torch.stack(keys, dim=-2)  # [1, nkv, N, s, hd]
-    diag_v = torch.stack(values, dim=-2)
-    if compile and len(keys) > 1:  # s = 1 is specialised (size-1 dims always are)
-        torch._dynamo.mark_dynamic(diag_k, 3)
-        torch._dynamo.mark_dynamic(diag_v, 3)
-    merge = _merge_compiled() if compile else _merge
-    return merge(q, causal_out, causal_lse, diag_k, diag_v, scale)
+    diag_k, diag_v = stacked_diagonals(keys, values, compile)
+    return _kernel(_merge, compile, dynamic=None)(q, causal_out, causal_lse, diag_k, diag_v, scale)
 
 
 def _merge(q, causal_out, causal_lse, diag_k, diag_v, scale):
     return merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale)[0]  # differentiable in all inputs
 
 
-_MERGE_COMPILED = None
+def grouped_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, nh, N, ...] -> [b, nkv, g, N, ...]: query heads grouped by their kv head."""
+    b, h, *rest = t.shape
+    return t.view(b, kv_heads, h // kv_heads, *rest)
 
 
-def _merge_compiled():
-    global _MERGE_COMPILED
-    if _MERGE_COMPILED is None:
-        _MERGE_COMPILED = compiled(_merge)  # dynamic in the marked dims only
-    return _MERGE_COMPILED
+def token_major(t: torch.Tensor) -> torch.Tensor:
+    """[1, N, heads, d] memory seen as [1, heads, N, d]: the layout the varlen kernels read and write
+    without copies, and the one o_proj reads (attn_out.transpose(1, 2) is then a view)."""
+    return t.transpose(1, 2)
+
+
+def merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale):
+    """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
+    (output and log-sum-exp of the causal attention) and the diagonals diag_k/diag_v [1, nkv, N, s, hd].
+    Flex's merge differentiates it with autograd; kernel_attention pairs it with its own backward."""
+    nkv = diag_k.shape[1]
+    diag_scores = (grouped_heads(q, nkv).unsqueeze(-2) * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
+    scores = torch.cat((grouped_heads(causal_lse, nkv).unsqueeze(-1).float(), diag_scores), dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
+    weights = torch.exp(scores - lse.unsqueeze(-1))
+    out = weights[..., :1] * grouped_heads(causal_out, nkv).float() + (
+        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
+    ).sum(-2)
+    return token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
 
 
 class MergedAttention:
@@ -419,6 +441,8 @@ def make_attention(impl: str, compile: bool = False) -> Callable:
     if impl == "flex":
         return FlexAttention(compile)
     if impl in ("flash", "cudnn"):
+        from .kernel_attention import KernelAttention  # which builds on this module
+
         return KernelAttention(impl, compile)
     if impl == "sdpa":
         return sdpa_attention
@@ -463,12 +487,13 @@ def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_a
 _COMPILED: dict[str, Callable] = {}
 
 
-def _kernel(fn: Callable, compile: bool) -> Callable:
-    """`fn` itself, or its torch.compile'd version (one per function, shared by all calls)."""
+def _kernel(fn: Callable, compile: bool, dynamic: bool | None = False) -> Callable:
+    """`fn` itself, or its torch.compile'd version (one per function, shared by all calls).
+    dynamic=None: static but in the dims marked dynamic (stacked_diagonals)."""
     if not compile:
         return fn
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = compiled(fn, dynamic=False)
+        _COMPILED[fn.__name__] = compiled(fn, dynamic=dynamic)
     return _COMPILED[fn.__name__]
 
 

@@ -11,6 +11,11 @@ from eagle3build.kernel_attention import FlashKernel, check_kernel, segments
 torch.set_num_threads(2)
 
 
+def sample_mask(cu: torch.Tensor, dtype) -> torch.Tensor:
+    """The CPU kernel's additive mask for the samples a varlen op's cumulative lengths describe."""
+    return segments(torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()), dtype).bias
+
+
 def test_segments_are_the_packed_samples():
     doc = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
     seg = segments(doc, torch.float32)
@@ -71,14 +76,10 @@ def test_cudnn_adapter_layouts_with_a_cpu_stand_in(monkeypatch):
     for aten::_cudnn_attention_forward/_backward that computes with torch's CPU flash kernel."""
     cpu = torch.ops.aten
 
-    def mask(cu, n, dtype):
-        doc = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
-        return segments(doc, dtype).bias
-
     def forward(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale):
         assert bias is None and lse and causal and q.shape[1] == k.shape[1] == v.shape[1]  # no GQA there
         out, lse = cpu._scaled_dot_product_flash_attention_for_cpu(
-            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, False, attn_mask=mask(cu_q, len(q), q.dtype),
+            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, False, attn_mask=sample_mask(cu_q, q.dtype),
             scale=scale,
         )  # fmt: skip
         seed, offset = torch.zeros(()), torch.zeros(())
@@ -88,7 +89,7 @@ def test_cudnn_adapter_layouts_with_a_cpu_stand_in(monkeypatch):
         assert stats.shape == (len(q), q.shape[1], 1) and bias is None and seed.shape == offset.shape == ()
         grads = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
             *(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (dout, q, k, v, out)), stats[..., 0].T.unsqueeze(0),
-            0.0, False, attn_mask=mask(cu_q, len(q), q.dtype), scale=scale,
+            0.0, False, attn_mask=sample_mask(cu_q, q.dtype), scale=scale,
         )  # fmt: skip
         return tuple(g[0].transpose(0, 1) for g in grads)
 
@@ -106,15 +107,11 @@ def test_flash_varlen_adapter_with_a_cpu_stand_in(monkeypatch):
         t = t.transpose(0, 1).unsqueeze(0)
         return t.repeat_interleave(heads // t.shape[1], dim=1).contiguous()
 
-    def mask(cu, dtype):
-        doc = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
-        return segments(doc, dtype).bias
-
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
         assert causal and max_q == max_k == 120 and cu_q.dtype == torch.int32
         heads = q.shape[1]
         out, lse = cpu._scaled_dot_product_flash_attention_for_cpu(
-            batched(q, heads), batched(k, heads), batched(v, heads), 0.0, False, attn_mask=mask(cu_q, q.dtype), scale=scale
+            batched(q, heads), batched(k, heads), batched(v, heads), 0.0, False, attn_mask=sample_mask(cu_q, q.dtype), scale=scale
         )
         return out[0].transpose(0, 1), lse[0], torch.zeros(2), torch.empty(0), None
 
@@ -123,7 +120,7 @@ def test_flash_varlen_adapter_with_a_cpu_stand_in(monkeypatch):
         assert lse.shape == (heads, len(q)) and lse.is_contiguous() and rng.shape == (2,) and unused.numel() == 0
         dq, dk, dv = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
             *(batched(t, heads) for t in (dout, q, k, v, out)), lse.unsqueeze(0), 0.0, False,
-            attn_mask=mask(cu_q, q.dtype), scale=scale,
+            attn_mask=sample_mask(cu_q, q.dtype), scale=scale,
         )  # fmt: skip
         dk, dv = (g.view(1, kv_heads, heads // kv_heads, *g.shape[2:]).sum(2) for g in (dk, dv))
         return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)

@@ -352,7 +352,6 @@ def test_compiled_runs_pad_batches_on_the_host_and_train_the_same(inputs, tmp_pa
     eager, out_e, _ = run(inputs, tmp_path / "eager", epochs=2)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setattr(ttt, "_COMPILED", {})
-    monkeypatch.setattr(ttt, "_MERGE_COMPILED", None)
     padded_lengths = []
     to = ttt.PackedBatch.to
     monkeypatch.setattr(ttt.PackedBatch, "to", lambda self, *a, **kw: padded_lengths.append(self.num_tokens) or to(self, *a, **kw))
