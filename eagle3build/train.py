@@ -540,6 +540,59 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
     return factor
 
 
+_GRAD_SCALE_READ: dict[str, bool] = {}
+
+
+def fused_adamw_reads_grad_scale(device: torch.device) -> bool:
+    """Whether a fused AdamW on `device` divides every gradient by `optimizer.grad_scale` before its
+    update (the attribute GradScaler unscales through). Checked once per device type on a two-number
+    problem: a torch that stopped reading it would clip nothing silently, so there the fold is off and
+    clipping runs the usual way."""
+    if device.type not in _GRAD_SCALE_READ:
+        try:
+            # eps = 1 keeps the first update g / (|g| + 1) sensitive to the gradient's scale
+            scaled, reference = (torch.ones(2, device=device, requires_grad=True) for _ in range(2))
+            for param, grad, scale in ((scaled, [4.0, -2.0], 4.0), (reference, [1.0, -0.5], None)):
+                param.grad = torch.tensor(grad, device=device)
+                optimizer = torch.optim.AdamW([param], lr=1.0, eps=1.0, weight_decay=0.0, fused=True)
+                if scale is not None:
+                    optimizer.grad_scale = torch.tensor(scale, device=device)
+                optimizer.step()
+            _GRAD_SCALE_READ[device.type] = bool(torch.allclose(scaled, reference, rtol=0, atol=1e-6))
+        except (RuntimeError, TypeError, ValueError):  # no fused AdamW on this device
+            _GRAD_SCALE_READ[device.type] = False
+    return _GRAD_SCALE_READ[device.type]
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float | None):
+    """optimizer.step() with the gradients scaled to a global norm of at most max_norm (none if it is
+    0 or None); returns the norm before clipping (None without clipping).
+
+    With a fused AdamW and plain tensors the clip coefficient rides in the optimizer's own pass over the
+    gradients (it divides them by `grad_scale` as it reads them), instead of clip_grad_norm_'s separate
+    read and write of every gradient: ≈ 1 ms of a 125 ms step at the Llama-8B head shape on an H200.
+    FSDP2's sharded gradients (DTensors) and other optimizers clip the usual way.
+    """
+    if not max_norm:
+        optimizer.step()
+        return None
+    grads = [q.grad for q in params if q.grad is not None]
+    fold = (
+        optimizer.defaults.get("fused")
+        and grads
+        and not any(hasattr(g, "full_tensor") for g in grads)
+        and fused_adamw_reads_grad_scale(grads[0].device)
+    )
+    if not fold:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        return norm
+    norm = torch.nn.utils.get_total_norm(grads)
+    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # 1 / clip_grad_norm_'s coefficient
+    optimizer.step()
+    return norm
+
+
 def _log(msg: str, d: Dist) -> None:
     if d.main:
         print(f"[train] {msg}", file=sys.stderr, flush=True)
@@ -622,14 +675,15 @@ def train(
     overrides = {k: p[k] for k in DraftConfig.OVERRIDABLE}
     config = DraftConfig.from_target(target, len(d2t), data.layer_ids[:3], overrides)
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
-    scorer = TargetScorer(target, d2t, t2d, device, data_dtype)
+    scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compile_flex)
     del target
     attention = make_attention(attention_impl, compile_flex)
     module = TTTModule(draft, p["ttt_steps"], attention, compile_flex)
     if fsdp:
         module = shard_fsdp2(module, device)
-    decay = [q for q in draft.parameters() if q.requires_grad and q.dim() >= 2]
-    no_decay = [q for q in draft.parameters() if q.requires_grad and q.dim() < 2]
+    trainable = [q for q in draft.parameters() if q.requires_grad]
+    decay = [q for q in trainable if q.dim() >= 2]
+    no_decay = [q for q in trainable if q.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": p["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
         lr=p["lr"],
@@ -755,12 +809,9 @@ def train(
                 loss = weighted_loss(stats, total_count, weights) * d.world_size
             loss.backward()
             sums += torch.stack([stats.loss_sum.detach().float(), stats.correct, stats.count])
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), p["grad_clip"]) if p["grad_clip"] else None
-        )
+        grad_norm = clipped_step(optimizer, trainable, p["grad_clip"])
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
             grad_norm = grad_norm.full_tensor()
-        optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 

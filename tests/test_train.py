@@ -364,3 +364,55 @@ def test_compiled_runs_pad_batches_on_the_host_and_train_the_same(inputs, tmp_pa
     for (step_e, split_e, loss_e), (step_c, split_c, loss_c) in zip(losses(out_e), losses(out_c), strict=True):
         assert (step_e, split_e) == (step_c, split_c)
         assert loss_c == pytest.approx(loss_e, rel=1e-4)
+
+
+def _clip_problem(scale: float, fused: bool):
+    """Three parameters with fixed gradients (global norm ≈ 4.3 * scale) and an AdamW over them."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((7, 5), (5,), (3, 3))]
+    for q in params:
+        q.grad = torch.randn(q.shape, generator=g) * scale
+    return params, torch.optim.AdamW(params, lr=0.1, eps=1e-3, weight_decay=0.01, fused=fused)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.01])  # the clip active (norm > 0.5) and not
+def test_clipped_step_folds_the_clip_into_fused_adamw(scale, monkeypatch):
+    """With a fused AdamW the clip coefficient rides in the optimizer's pass (grad_scale): the same
+    update and norm as clip_grad_norm_ + step, without clip_grad_norm_'s own pass over the gradients."""
+    from eagle3build import train as train_module
+
+    reference, optimizer = _clip_problem(scale, fused=False)
+    norm_ref = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    optimizer.step()
+
+    params, optimizer = _clip_problem(scale, fused=True)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: pytest.fail("clipped in a separate pass"))
+    norm = train_module.clipped_step(optimizer, params, 0.5)
+    assert float(norm) == pytest.approx(float(norm_ref), rel=1e-6)
+    assert float(optimizer.grad_scale) == pytest.approx(max(1.0, float(norm_ref) / 0.5), rel=1e-5)
+    for q, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-6)
+    moved = max(float((q - r).detach().abs().max()) for q, r in zip(params, _clip_problem(scale, False)[0], strict=True))
+    assert moved > 1e-3  # the step did update the weights
+
+
+def test_clipped_step_clips_the_usual_way_where_adamw_ignores_grad_scale(monkeypatch):
+    """A torch whose fused AdamW stopped reading grad_scale would clip nothing silently: the one-time
+    check sees it and the step clips with clip_grad_norm_ instead."""
+    from eagle3build import train as train_module
+
+    reference, optimizer = _clip_problem(1.0, fused=False)
+    torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    optimizer.step()
+
+    step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (self.__dict__.pop("grad_scale", None), step(self, *a, **k))[1])
+    monkeypatch.setattr(train_module, "_GRAD_SCALE_READ", {})
+    assert not train_module.fused_adamw_reads_grad_scale(torch.device("cpu"))
+    params, optimizer = _clip_problem(1.0, fused=True)
+    train_module.clipped_step(optimizer, params, 0.5)
+    for q, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(train_module, "_GRAD_SCALE_READ", {})
+    assert train_module.fused_adamw_reads_grad_scale(torch.device("cpu"))
