@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3build.kernel_attention import KERNELS, check_kernel  # noqa: E402
 from eagle3build.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.target import TargetHead  # noqa: E402
-from eagle3build.train import LOSS_ROWS_MULTIPLE, compile_length_multiple  # noqa: E402
+from eagle3build.train import LOSS_ROWS_MULTIPLE, clipped_step, compile_length_multiple  # noqa: E402
 from eagle3build.ttt import (  # noqa: E402
     MathMergedAttention,
     PackedBatch,
@@ -287,6 +287,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         result["loss_fraction"] = args.loss_fraction
         result["step_rows"] = None if batch.step_rows is None else len(batch.step_rows)
         compile_rest = variant == "compiled"
+        scorer.compile = compile_rest  # the target distribution too, as training does
         result["attention"] = args.attention
         if cuda or args.attention != "flex":
             if args.attention in KERNELS:  # torch's private kernel ops: as training, checked first
@@ -301,9 +302,8 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
             result["check_vs_dense_sdpa"] = check_against_dense(
                 draft, scorer, batch, attention, args.ttt, compile_rest, autocast
             )
-        optimizer = torch.optim.AdamW(
-            [p for p in draft.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95), fused=cuda
-        )
+        trainable = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), fused=cuda)
 
         def step() -> torch.Tensor:
             with autocast:
@@ -312,8 +312,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
                 )
                 loss = weighted_loss(stats, stats.count, weights)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
-            optimizer.step()
+            clipped_step(optimizer, trainable, 0.5)  # as training clips and steps
             optimizer.zero_grad(set_to_none=True)
             return loss.detach()
 

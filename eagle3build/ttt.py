@@ -237,6 +237,7 @@ class TargetScorer:
         device="cpu",
         dtype: torch.dtype = torch.float32,
         chunk_tokens: int = 1024,
+        compile: bool = False,
     ):
         draft_ids = torch.arange(len(d2t)) + d2t
         self.norm = target.norm.to(device, dtype)
@@ -245,6 +246,7 @@ class TargetScorer:
         self.lm_head_draft = self.lm_head[draft_ids.to(device)]  # [K, H]
         self.t2d = t2d.to(device)
         self.chunk_tokens = chunk_tokens
+        self.compile = compile  # draft_probs: one compilation for every row count
 
     @torch.no_grad()
     def greedy_in_draft(self, final: torch.Tensor) -> torch.Tensor:
@@ -258,8 +260,15 @@ class TargetScorer:
     @torch.no_grad()
     def draft_probs(self, final: torch.Tensor) -> torch.Tensor:
         """fp32 [N, K]: the target distribution restricted to the draft vocab and renormalised."""
-        logits = rms_norm(final.to(self.norm.dtype), self.norm, self.eps) @ self.lm_head_draft.T
-        return torch.softmax(logits.float(), dim=-1)
+        if self.compile:
+            torch._dynamo.mark_dynamic(final, 0)
+        return _kernel(_draft_probs, self.compile, dynamic=None)(final, self.norm, self.eps, self.lm_head_draft)
+
+
+def _draft_probs(final, norm, eps, lm_head_draft):
+    # compiled, the fp32 cast and the softmax are one pass over the logits (eagerly: a copy, then a softmax)
+    logits = rms_norm(final.to(norm.dtype), norm, eps) @ lm_head_draft.T
+    return torch.softmax(logits.float(), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -370,7 +379,7 @@ class MergedAttention:
             # other rows' queries are 0 and their outputs dropped, so they reach no gradient)
             every = q.new_zeros(*q.shape[:2], len(doc), q.shape[3]).index_copy(2, rows, q)
             out, lse = self.causal(every, keys[0], values[0], doc, scale)
-            out, lse = out[:, :, rows], lse[:, :, rows]
+            out, lse = out.index_select(2, rows), lse.index_select(2, rows)
         return merge_diagonal(q, out, lse, keys[1:], values[1:], scale, self.compile)
 
 
@@ -464,14 +473,14 @@ class TTTStats:
         return TTTStats(self.loss_sum.detach(), self.correct, self.count)
 
 
-def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_argmax, weight):
+def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, weight):
     """Per step, weighted sums over rows of -Σ p·log_softmax(draft logits), draft argmax == target
     argmax, and weight.
 
     hidden [M, S, H] (pre-norm, every step's row at each loss row, in target order); target_probs fp32
-    [M, K]; target_argmax [M]; weight [M, S] in {0, 1}. Returns three [S] tensors. The rows were chosen
-    on the host (with_loss_rows); a row without a loss at some step is zeroed there rather than gathered
-    out, so the step never waits on the host.
+    [M, K]; weight [M, S] in {0, 1}. Returns three [S] tensors. The rows were chosen on the host
+    (with_loss_rows); a row without a loss at some step is zeroed there rather than gathered out, so the
+    step never waits on the host.
 
     Rows are ordered (loss row, step) so that the k rows reading one target row run side by side and
     read it once from memory rather than k times; and -Σ p·log_softmax(z) is written as
@@ -480,7 +489,8 @@ def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, target_a
     logits = model.logits(hidden, fused).float()
     p = target_probs.unsqueeze(1)  # [M, 1, K]: shared by the row's k steps
     loss = torch.logsumexp(logits, dim=-1) * p.sum(-1) - (p * logits).sum(-1)  # [M, S]
-    correct = (weight * (logits.argmax(-1) == target_argmax.unsqueeze(1))).sum(0)
+    target_argmax = target_probs.argmax(-1, keepdim=True)  # compiled: in p.sum's pass over the target rows
+    correct = (weight * (logits.argmax(-1) == target_argmax)).sum(0)
     return (weight * loss).sum(0), correct, weight.sum(0)
 
 
@@ -499,6 +509,53 @@ def _kernel(fn: Callable, compile: bool, dynamic: bool | None = False) -> Callab
 
 def _fused_weight_tensors(model, dtype):
     return model.fused_weight_tensors(dtype)
+
+
+class PerStepWeights(torch.autograd.Function):
+    """`steps` aliases of each weight, one per TTT step, whose backward adds the steps' gradients in one pass.
+
+    A tensor that k steps read gets its gradient by k - 1 in-place adds as the steps' backward passes
+    arrive, each reading two weight-sized gradients and writing one (≈ 2 ms of a training step at the
+    Llama-8B head shape on an H200, sixteenth session's profile). Gradients of distinct outputs of one
+    autograd node are instead kept apart until all have arrived; this node's backward then adds them in
+    one compiled kernel, in fp32, rounded once. The price: the per-step weights' gradients of all steps
+    are held until step 0's backward (k - 1 more weight-sized gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, steps: int, *weights):
+        ctx.set_materialize_grads(False)  # a step whose alias got no gradient adds nothing
+        ctx.n = len(weights)
+        return tuple(w.view_as(w) for _ in range(steps) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        sums = []
+        for i in range(ctx.n):
+            parts = [g for g in grads[i :: ctx.n] if g is not None]
+            sums.append(None if not parts else parts[0] if len(parts) == 1 else _kernel(_sum_in_fp32, True)(*parts))
+        return (None, *sums)
+
+
+def _sum_in_fp32(*grads):
+    total = grads[0].float()
+    for g in grads[1:]:
+        total = total + g.float()
+    return total.to(grads[0].dtype)
+
+
+PER_STEP = ("qkv_hidden", "gate_up", "o", "down")  # the fused weights every TTT step's layer reads (lm_head
+# and qkv_embed are read once per batch: by the loss over all steps, by the embedding half's projection)
+
+
+def per_step_weights(fused: FusedWeights, steps: int, compile: bool) -> list[FusedWeights]:
+    """The fused weights of each TTT step: PerStepWeights' aliases where the step is compiled (eagerly,
+    its sum would be k - 1 adds again, and in fp32)."""
+    if steps == 1 or not compile or not torch.is_grad_enabled():
+        return [fused] * steps
+    aliases = PerStepWeights.apply(steps, *(getattr(fused, n) for n in PER_STEP))
+    n = len(PER_STEP)
+    return [replace(fused, **dict(zip(PER_STEP, aliases[s * n : (s + 1) * n], strict=True))) for s in range(steps)]
 
 
 def _layer_in(model, fused, embed_qkv, hidden, position):
@@ -541,18 +598,22 @@ def ttt_forward(
         raise ValueError(f"the batch's loss rows were laid out for {len(batch.loss_weight)} steps, not {steps}")
     scale = attention_scale(model.config)
     target_probs = target_probs.float()
-    target_argmax = target_probs.argmax(-1)
     source, weight = batch.loss_source, batch.loss_weight.T.to(target_probs.dtype, memory_format=torch.contiguous_format)
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     # Once per batch, shared by the steps. Compiled, the casts, concatenations and the scale fold are a
     # few fused kernels forward and backward instead of eager copies and zero-filled slice gradients.
     fused = FusedWeights(*_kernel(_fused_weight_tensors, compile)(model, dtype))
+    step_fused = per_step_weights(fused, steps, compile)
     layer_in, layer_out = _kernel(_layer_in, compile), _kernel(_layer_out, compile)
     loss_fn = _kernel(soft_cross_entropy, compile)
     hidden = model.fuse(batch.aux).unsqueeze(0)  # [1, N, H]
     # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
     # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
     embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
+    # Row gathers with gradients are index_select, not advanced indexing: its backward is a fill and one
+    # index_add (deterministic here: a row is gathered twice only where all but one copy carry a zero
+    # gradient), advanced indexing's a sorted, accumulating index_put (≈ 1 ms of a step at the Llama-8B
+    # head shape on an H200, sixteenth session's profile)
     rows = batch.step_rows
     keys, values, at_target = [], [], []
     for s in range(steps):
@@ -562,23 +623,23 @@ def ttt_forward(
             step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
         else:
             position = (batch.position[at] + s).unsqueeze(0)
-            step_embed_qkv = embed_qkv[at + 1 + s].unsqueeze(0)
-        q, k, v, residual = layer_in(model, fused, step_embed_qkv, hidden, position)
+            step_embed_qkv = embed_qkv.index_select(0, at + 1 + s).unsqueeze(0)
+        q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
         keys.append(k)
         values.append(v)
         attn_out = attention(q, keys, values, batch.doc, s, scale, at)
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
-            attn_out, residual = attn_out[:, :, rows], residual[:, rows]
-        hidden = layer_out(model, fused, attn_out, residual)
-        at_target.append(hidden[0, source[s]])
+            attn_out, residual = attn_out.index_select(2, rows), residual.index_select(1, rows)
+        hidden = layer_out(model, step_fused[s], attn_out, residual)
+        at_target.append(hidden.flatten(0, 1).index_select(0, source[s]))  # a view: no select backward
     at_target = torch.stack(at_target, dim=1)  # [M, S, H]
     if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them
-        for t, dim in ((at_target, 0), (target_probs, 0), (target_argmax, 0), (weight, 0)):
+        for t, dim in ((at_target, 0), (target_probs, 0), (weight, 0)):
             torch._dynamo.mark_dynamic(t, dim)
     # Every step's loss at once: no step reads the previous step's logits (it reads its hidden state),
     # so the lm_head is one matmul over all steps, and so is its weight gradient (k matmuls and k - 1
     # accumulations otherwise).
-    loss_sum, correct, count = loss_fn(model, fused, at_target, target_probs, target_argmax, weight)
+    loss_sum, correct, count = loss_fn(model, fused, at_target, target_probs, weight)
     return TTTStats(loss_sum, correct.float(), count.float())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -255,9 +257,15 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     assert len({len(b.loss_rows) for b in layouts[:3]}) == 3
     merged = MathMergedAttention(compile=True)
     kernel = kernel_attention.KernelAttention("flash", compile=True)  # the kernel's merge and its backward
+    compiled_scorer = copy.copy(scorer)
+    compiled_scorer.compile = True  # the target distribution too, dynamic in its rows
     for b in layouts:
+        torch.testing.assert_close(compiled_scorer.draft_probs(b.loss_final), scorer.draft_probs(b.loss_final))
         eager = loss_and_grads(model, scorer, b, MathMergedAttention())
-        assert_same_loss_counts_and_grads(loss_and_grads(model, scorer, b, merged, compile=True), eager, relative=True)
-        assert_same_loss_counts_and_grads(loss_and_grads(model, scorer, b, kernel, compile=True), eager, relative=True)
-    kernels = list(ttt._COMPILED.values())  # 4 step pieces, flex's merge, the kernel merge and its backward
-    assert len(kernels) == 7 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)
+        for attention in (merged, kernel):
+            compiled = loss_and_grads(model, compiled_scorer, b, attention, compile=True)
+            assert_same_loss_counts_and_grads(compiled, eager, relative=True)
+    # the target distribution, 4 step pieces, the per-step weights' gradient sum, flex's merge, the kernel
+    # merge and its backward
+    kernels = list(ttt._COMPILED.values())
+    assert len(kernels) == 9 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)
