@@ -108,6 +108,40 @@ def test_weights_cast_once_per_step_give_the_named_weights_their_gradients():
         assert (grad - per_use[name]).abs().max() <= 0.02 * scale, name
 
 
+def test_per_step_weights_give_the_shared_weights_gradients(monkeypatch):
+    """Compiled steps each read their own alias of the per-step weights (ttt.PerStepWeights), whose
+    gradients one compiled kernel adds: the named weights get the gradients of plain shared use, also
+    where a step leaves some aliases unused (step 1 here skips o_proj and the MLP)."""
+    from eagle3build import ttt
+    from eagle3build.model import DraftConfig, Eagle3Draft
+
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
+    monkeypatch.setattr(ttt, "_COMPILED", {})
+    c = DraftConfig(32, 4, 2, 8, 48, 1e-5, 10000.0, 64, 50, 20, 32, [1, 2, 3])
+    torch.manual_seed(0)
+    model = Eagle3Draft(c)
+    ids, aux, pos = torch.randint(0, 50, (1, 7)), torch.randn(1, 7, 96), torch.arange(7)[None]
+    attn_out = torch.randn(1, 4, 7, 8)
+
+    def three_steps(aliases: bool):
+        model.zero_grad()
+        fused = model.fused_weights()
+        step_fused = ttt.per_step_weights(fused, 3, compile=True) if aliases else [fused] * 3
+        h = model.fuse(aux)
+        for s, f in enumerate(step_fused):
+            q, k, v, residual = model.qkv(ids, h, pos, f)
+            out = attn_out * q.mean() + k.mean() + v.mean()
+            h = h + out.mean() if s == 1 else model.finish(out, residual, f)
+        model.logits(h, fused).square().mean().backward()
+        return {n: q.grad for n, q in model.named_parameters() if q.requires_grad}
+
+    shared, per_step = three_steps(False), three_steps(True)
+    assert "_sum_in_fp32" in ttt._COMPILED  # the steps' gradients were added by the compiled kernel
+    assert set(per_step) == set(shared)
+    for name, grad in per_step.items():
+        torch.testing.assert_close(grad, shared[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_padding_a_batch_changes_no_loss_or_count():
     """Compiled runs pad batches to a bucketed length: the dummy sample must carry nothing."""
     from test_model_ttt import random_samples, tiny_draft
