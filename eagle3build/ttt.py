@@ -515,7 +515,7 @@ class PerStepWeights(torch.autograd.Function):
     """`steps` aliases of each weight, one per TTT step, whose backward adds the steps' gradients in one pass.
 
     A tensor that k steps read gets its gradient by k - 1 in-place adds as the steps' backward passes
-    arrive, each reading two weight-sized gradients and writing one (≈ 2 ms of a training step at the
+    arrive, each reading two weight-sized gradients and writing one (1.8 ms of a training step at the
     Llama-8B head shape on an H200, sixteenth session's profile). Gradients of distinct outputs of one
     autograd node are instead kept apart until all have arrived; this node's backward then adds them in
     one compiled kernel, in fp32, rounded once. The price: the per-step weights' gradients of all steps
