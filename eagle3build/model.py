@@ -114,7 +114,7 @@ class FusedWeights:
 
     qkv_embed: torch.Tensor  # [(nh + 2 * nkv) * hd, H]: q/k/v's embedding half, input_layernorm's scale folded in
     qkv_hidden: torch.Tensor  # [(nh + 2 * nkv) * hd, H]: q/k/v's hidden half
-    gate_up: torch.Tensor  # [2I, H]: gate_proj; up_proj
+    gate_up: torch.Tensor  # [2I, H]: gate_proj's and up_proj's rows interleaved (g0, u0, g1, u1, ...)
     o: torch.Tensor  # o_proj
     down: torch.Tensor  # down_proj
     lm_head: torch.Tensor
@@ -265,7 +265,11 @@ class Eagle3Draft(nn.Module):
         return (
             cat(*(w[:, :H] * layer.input_layernorm.weight for w in qkv)),  # (n * g) @ W.T == n @ (W * g).T
             cat(*(w[:, H:] for w in qkv)),
-            cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+            # interleaved, so each gate value sits beside its up value and the SiLU gate's backward can read
+            # the pair once and write both gradients together. With halves [gate; up], Inductor made it a
+            # cat over the two halves: 0.26 ms per step at the Llama-8B head shape on an H200, three times
+            # the forward's single pass for 1.7 times its bytes (sixteenth session's profile)
+            torch.stack((cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)), dim=1).flatten(0, 1),
             cast(attn.o_proj.weight),
             cast(mlp.down_proj.weight),
             cast(self.lm_head.weight),
@@ -328,7 +332,7 @@ class Eagle3Draft(nn.Module):
             h = residual + layer.self_attn.o_proj(attn_out)
             return h + layer.mlp(layer.post_attention_layernorm(h))
         h = residual + F.linear(attn_out, fused.o)
-        gate, up = F.linear(layer.post_attention_layernorm(h), fused.gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(layer.post_attention_layernorm(h), fused.gate_up).unflatten(-1, (-1, 2)).unbind(-1)
         return h + F.linear(F.silu(gate) * up, fused.down)
 
     def logits(self, pre_norm_out: torch.Tensor, fused: FusedWeights | None = None) -> torch.Tensor:
