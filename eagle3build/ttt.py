@@ -488,7 +488,14 @@ def soft_cross_entropy(model: Eagle3Draft, fused, hidden, target_probs, weight):
     """
     logits = model.logits(hidden, fused).float()
     p = target_probs.unsqueeze(1)  # [M, 1, K]: shared by the row's k steps
-    loss = torch.logsumexp(logits, dim=-1) * p.sum(-1) - (p * logits).sum(-1)  # [M, S]
+    # logsumexp spelled as softmax's max and sum of exp(z - max): the pattern Inductor computes in one
+    # online pass over the logits on the GPU. torch.logsumexp's guard against an infinite max breaks the
+    # pattern, and Inductor's reduction then passes over the logits for the max and again for the sum
+    # (2.0 ms per step at the Llama-8B head shape on an H200 for 2.35 GB of input, ≈ 1.2 TB/s). The max
+    # is a constant shift: it needs no gradient.
+    zmax = logits.detach().amax(-1, keepdim=True)
+    lse = (zmax + (logits - zmax).exp().sum(-1, keepdim=True).log()).squeeze(-1)
+    loss = lse * p.sum(-1) - (p * logits).sum(-1)  # [M, S]
     target_argmax = target_probs.argmax(-1, keepdim=True)  # compiled: in p.sum's pass over the target rows
     correct = (weight * (logits.argmax(-1) == target_argmax)).sum(0)
     return (weight * loss).sum(0), correct, weight.sum(0)
