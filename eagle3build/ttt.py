@@ -266,7 +266,7 @@ class TargetScorer:
 
 
 def _draft_probs(final, norm, eps, lm_head_draft):
-    # compiled, the fp32 cast and the softmax are one pass over the logits (eagerly: a copy, then a softmax)
+    # compiled, the fp32 cast and the softmax are one kernel over the bf16 logits (eagerly: an fp32 copy, then a softmax)
     logits = rms_norm(final.to(norm.dtype), norm, eps) @ lm_head_draft.T
     return torch.softmax(logits.float(), dim=-1)
 
