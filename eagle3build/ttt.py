@@ -539,8 +539,10 @@ class PerStepWeights(torch.autograd.Function):
     def backward(ctx, *grads):
         sums = []
         for i in range(ctx.n):
-            parts = [g for g in grads[i :: ctx.n] if g is not None]
-            sums.append(None if not parts else parts[0] if len(parts) == 1 else _kernel(_sum_in_fp32, True)(*parts))
+            parts = [g for g in grads[i :: ctx.n] if g is not None]  # weight i's gradient from each step
+            if len(parts) > 1:
+                parts = [_kernel(_sum_in_fp32, True)(*parts)]
+            sums.append(parts[0] if parts else None)
         return (None, *sums)
 
 
