@@ -48,7 +48,7 @@ doctor: ## preflight: check that model, tokenizer, layers, vLLM, GPUs and disk f
 	$(PYTHON) -m eagle3build.doctor --config $(CONFIG)
 
 show: ## print one prepared sample with its trained tokens highlighted: make show SHARD=build/tokens/demo/00000.safetensors [INDEX=0]
-	$(PYTHON) -m eagle3build.prepare show $(SHARD) --index $(or $(INDEX),0) --config $(CONFIG)
+	$(PYTHON) -m eagle3build.data.prepare show $(SHARD) --index $(or $(INDEX),0) --config $(CONFIG)
 
 test: ## the whole test suite (what CI runs)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

@@ -25,7 +25,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.ttt import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
+from eagle3build.ttt.core import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import PRESETS, build, loss_and_grads, relative_grad_diffs  # noqa: E402
 
-from eagle3build.ttt import FlexAttention, make_attention, ttt_forward  # noqa: E402
+from eagle3build.ttt.core import FlexAttention, make_attention, ttt_forward  # noqa: E402
 
 
 class ContiguousFlex(FlexAttention):

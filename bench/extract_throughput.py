@@ -7,7 +7,7 @@ Measures, on the same synthetic token shard (lengths drawn from a fixed, chat-li
   disk       sequential write bandwidth of the output folder (64 MiB blocks, fsync)
   naive      one sample at a time, `output_hidden_states=True`, one safetensors file per sample
   padded64   padded batches of 64 (arrival order), `output_hidden_states=True`, one file per batch
-  ours-bf16  `eagle3build.extractor.Extractor` (length-sorted token-budget batches, hooks, packed
+  ours-bf16  `eagle3build.extraction.hf_server.Extractor` (length-sorted token-budget batches, hooks, packed
              rows, writer thread), bf16 storage
   ours-fp8   the same with fp8 storage
 and checks that our stored states equal the naive baseline's (bf16 rounding of the same forward).
@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3build.config import default_aux_layer_ids  # noqa: E402
-from eagle3build.extractor import Extractor  # noqa: E402
+from eagle3build.extraction.hf_server import Extractor  # noqa: E402
 from eagle3build.shards import hidden_bytes_per_token, read_hidden, write_tokens  # noqa: E402
 
 SHAPES = {  # random-weight targets of real models' shapes

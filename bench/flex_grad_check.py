@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.ttt import FlexAttention, MathMergedAttention  # noqa: E402
+from eagle3build.ttt.core import FlexAttention, MathMergedAttention  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 

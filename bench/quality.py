@@ -12,8 +12,8 @@ Recipes, all trained the same way on every training file of ../shared/assets/dat
 Evaluation: MT-Bench (80 x 2 turns) and Spec-Bench (480 prompts, 13 categories), greedy, tau at k = 1..7
 (vLLM's definition: 1 + accepted / drafts) per category. The target's greedy decode of each prompt is
 computed once (batched); the acceptance of every round is read off it with one teacher-forced draft
-pass (eagle3build.acceptance, exact for greedy chain decoding), and a sample of prompts is also run
-through the sequential speculative loop (eagle3build.evaluate) as a cross-check.
+pass (eagle3build.evaluate.acceptance, exact for greedy chain decoding), and a sample of prompts is also run
+through the sequential speculative loop (eagle3build.evaluate.hf) as a cross-check.
 
 Phases keep their results under --work, so a machine that stays up can run them as separate calls.
 A recipe's hidden states are extracted when its training starts (several sampled passes make one layer set
@@ -84,7 +84,7 @@ def target_of(args) -> dict:
 
 
 def _tokenize(job):
-    from eagle3build.prepare import tokenize_shard
+    from eagle3build.data.prepare import tokenize_shard
 
     conv, out, report, tokenizer, max_length = job
     if not Path(out).exists():
@@ -99,7 +99,7 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
     distributions at every position, so a sampled context is as exact a training example as a greedy one."""
     import re
 
-    from eagle3build.regenerate import regenerate_shard
+    from eagle3build.data.regenerate import regenerate_shard
 
     def pass_of(line: str) -> int:
         return int(re.fullmatch(r".*:sampled(\d+)", json.loads(line)["id"]).group(1))
@@ -147,7 +147,7 @@ def sampled_answers(args, work: Path, greedy_lines: list[str], stats: dict) -> l
 def regenerated_shards(args, work: Path, conversations: list[str], stats: dict) -> list[str]:
     """The target's answers to every conversation (greedy, every assistant turn), plus --sampled-passes
     sampled answers to each first user turn, cut back into shards."""
-    from eagle3build.regenerate import regenerate_shard
+    from eagle3build.data.regenerate import regenerate_shard
 
     t0 = time.perf_counter()
     regen_params = {"backend": "hf", "temperature": 0.0, "max_new_tokens": args.max_new_tokens,
@@ -184,9 +184,9 @@ def regenerated_shards(args, work: Path, conversations: list[str], stats: dict) 
 
 
 def phase_data(args, work: Path) -> dict:
-    from eagle3build.formats import count_records
-    from eagle3build.prepare import split_dataset
-    from eagle3build.vocab import build_mapping, count_shard
+    from eagle3build.data.formats import count_records
+    from eagle3build.data.prepare import split_dataset
+    from eagle3build.draft.vocab import build_mapping, count_shard
 
     files = train_files(Path(args.data))
     stats = {"files": {}}
@@ -244,7 +244,7 @@ def extract_hidden(args, work: Path, variant: str, layers: str) -> tuple[list[st
     import torch
 
     from eagle3build.config import default_aux_layer_ids
-    from eagle3build.extractor import Extractor
+    from eagle3build.extraction.hf_server import Extractor
 
     n_layers = json.loads((Path(args.model) / "config.json").read_text())["num_hidden_layers"]
     layer_ids = {"aux": default_aux_layer_ids(n_layers), "final": [n_layers - 1] * 3}[layers]
@@ -265,8 +265,8 @@ def extract_hidden(args, work: Path, variant: str, layers: str) -> tuple[list[st
 
 
 def phase_train(args, work: Path) -> dict:
-    from eagle3build.export import export
-    from eagle3build.train import train
+    from eagle3build.draft.export import export
+    from eagle3build.train.loop import train
 
     out = {}
     params = {"lr": args.lr, "epochs": args.epochs, "batch_tokens": args.train_batch_tokens, "ttt_steps": 7,
@@ -330,13 +330,13 @@ def phase_eval(args, work: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3build.acceptance import acceptance_for_sequence
-    from eagle3build.evaluate import evaluate_set, read_questions
-    from eagle3build.export import load_exported
+    from eagle3build.draft.export import load_exported
+    from eagle3build.evaluate.acceptance import acceptance_for_sequence
+    from eagle3build.evaluate.hf import evaluate_set, read_questions
 
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    from eagle3build.regenerate import load_target_tokenizer
+    from eagle3build.data.regenerate import load_target_tokenizer
 
     tokenizer = load_target_tokenizer(target_of(args))  # with the configured chat template
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()

@@ -3,7 +3,7 @@
     python bench/train_throughput.py --seq 2048 4096 --out $OUT/train_throughput.json   # on the GPU
     python bench/train_throughput.py --preset tiny --seq 256 --device cpu                # smoke run
 
-One step is what `eagle3build.train` does per micro-batch: the target's draft-vocab distribution
+One step is what `eagle3build.train.loop` does per micro-batch: the target's draft-vocab distribution
 (`TargetScorer.draft_probs`), the k-step TTT forward, the normalised weighted loss, backward, grad
 clipping and fused AdamW, with fp32 master weights under bf16 autocast. The greedy-in-draft flag is
 cached per sample by the trainer (once per run), so it is computed before timing. Synthetic inputs
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.kernel_attention import KERNELS, check_kernel  # noqa: E402
-from eagle3build.model import DraftConfig, Eagle3Draft  # noqa: E402
-from eagle3build.target import TargetHead  # noqa: E402
-from eagle3build.train import LOSS_ROWS_MULTIPLE, clipped_step, compile_length_multiple  # noqa: E402
-from eagle3build.ttt import (  # noqa: E402
+from eagle3build.attention.kernel import KERNELS, check_kernel  # noqa: E402
+from eagle3build.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3build.draft.target import TargetHead  # noqa: E402
+from eagle3build.train.loop import LOSS_ROWS_MULTIPLE, clipped_step, compile_length_multiple  # noqa: E402
+from eagle3build.ttt.core import (  # noqa: E402
     MathMergedAttention,
     PackedBatch,
     TargetScorer,

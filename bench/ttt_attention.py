@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.kernel_attention import KERNELS, check_kernel  # noqa: E402
-from eagle3build.ttt import make_attention  # noqa: E402
+from eagle3build.attention.kernel import KERNELS, check_kernel  # noqa: E402
+from eagle3build.ttt.core import make_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from .errors import UserError
+from eagle3build.errors import UserError
 
 
 @contextlib.contextmanager
@@ -56,14 +56,14 @@ def main(argv=None) -> int:
     args, rest = p.parse_known_args(argv)
     try:
         if args.command == "show":
-            from .prepare import main as show_main
+            from eagle3build.data.prepare import main as show_main
 
             return show_main(["show", *rest])
         if args.command == "doctor":
-            from .doctor import main as doctor_main
+            from eagle3build.doctor import main as doctor_main
 
             return doctor_main(rest)
-        from .extract import main as extract_main
+        from eagle3build.extraction.job import main as extract_main
 
         return extract_main(["stop", *rest])
     except UserError as e:

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import check_aux_layer_ids, default_aux_layer_ids
-from .errors import ConfigError, UserError
-from .extract import pending_token_shards
-from .shards import hidden_bytes_per_token, read_meta
-from .vllm_backend import DEFAULTS as VLLM_DEFAULTS
+from eagle3build.config import check_aux_layer_ids, default_aux_layer_ids
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.extraction.job import pending_token_shards
+from eagle3build.extraction.vllm import DEFAULTS as VLLM_DEFAULTS
+from eagle3build.shards import hidden_bytes_per_token, read_meta
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 EXTRACT_MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
@@ -456,7 +456,7 @@ def check_attention(ctx: _Context) -> Check:
     name = "attention"
     import torch
 
-    from .kernel_attention import KERNELS, check_kernel
+    from eagle3build.attention.kernel import KERNELS, check_kernel
 
     impl = (ctx.config.get("train") or {}).get("attention", "auto")
     if impl not in KERNELS:
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", default="all", choices=STAGES, help="check only what this stage needs")
     args = parser.parse_args(argv)
     try:
-        from .config import load_config
+        from eagle3build.config import load_config
 
         config = load_config(args.config)
         print(f"eagle3build doctor: {args.config}, stage {args.stage}")

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .atomic import write_json_atomic
-from .cli import run_rule
+from eagle3build.atomic import write_json_atomic
+from eagle3build.cli import run_rule
 
 
 def _named(items) -> dict:

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from .atomic import write_json_atomic
+from eagle3build.atomic import write_json_atomic
 
 
 def _fingerprint(path: str, fmt: str, split: str | None) -> str:
@@ -24,7 +24,7 @@ def _fingerprint(path: str, fmt: str, split: str | None) -> str:
 
 
 def record_count(path: str, fmt: str, split: str | None, cache_dir: str) -> int:
-    from .formats import count_records
+    from eagle3build.data.formats import count_records
 
     cache_file = Path(cache_dir) / "record-counts.json"
     cache = {}

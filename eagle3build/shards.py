@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import FORMAT_VERSIONS
-from .atomic import atomic_path, save_safetensors_atomic
-from .errors import UserError
+from eagle3build import FORMAT_VERSIONS
+from eagle3build.atomic import atomic_path, save_safetensors_atomic
+from eagle3build.errors import UserError
 
 TOKENS_FORMAT = "eagle3build.tokens"
 HIDDEN_FORMAT = "eagle3build.hidden"

@@ -135,7 +135,8 @@ def stage_command(name, input, output, params, log, wildcards, container_img):
 
 
 def stop_extraction_servers():
-    from eagle3build import extract, vllm_backend
+    from eagle3build.extraction import job as extract
+    from eagle3build.extraction import vllm as vllm_backend
 
     extract.stop_servers(RUN_DIR)
     vllm_backend.stop_servers(RUN_DIR)
@@ -144,7 +145,7 @@ def stop_extraction_servers():
 def preflight():
     """Before jobs run (not on dry-runs): fail in seconds when the pieces do not fit."""
     from eagle3build.doctor import preflight as check
-    from eagle3build.extract import forget_devices
+    from eagle3build.extraction.job import forget_devices
 
     check(config, "extract", echo=print)
     # Shard jobs look up the GPUs once per run (eagle3build/extract.py): this run looks again.

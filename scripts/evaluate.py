@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def evaluate(job):
-    from eagle3build.evaluate import evaluate as run_eval
+    from eagle3build.evaluate.hf import evaluate as run_eval
 
     run_eval(os.path.dirname(job.input.draft), dict(job.params.target), [dict(job.params.eval_set)], job.output.metrics,
              job.output.plot, dict(job.params.settings))

@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def export(job):
-    from eagle3build.export import export as write_export
+    from eagle3build.draft.export import export as write_export
 
     write_export(job.input.weights, job.input.mapping, job.params.target["path"], job.params.out_dir, dict(job.params.export))
 

@@ -16,11 +16,11 @@ def extract(job):
               "aux_layer_ids": list(p.aux_layer_ids), "image": p.image}
     out_root = os.path.dirname(os.path.dirname(os.path.dirname(job.output.hidden)))
     if p.backend == "vllm":
-        from eagle3build.vllm_backend import extract_shard_vllm
+        from eagle3build.extraction.vllm import extract_shard_vllm
 
         extract_shard_vllm(job.input.tokens, job.output.hidden, {**params, "target": dict(p.target)}, p.run_dir)
         return
-    from eagle3build.extract import extract_shard, pending_token_shards
+    from eagle3build.extraction.job import extract_shard, pending_token_shards
 
     stats = extract_shard(job.input.tokens, job.output.hidden, dict(p.target), params, p.run_dir,
                           pending_tokens=pending_token_shards(out_root, job.input.tokens))

@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def regenerate(job):
-    from eagle3build.regenerate import regenerate_shard
+    from eagle3build.data.regenerate import regenerate_shard
 
     # Runtime knobs (endpoint, concurrency, retries, timeouts, batch size) from config: they do not
     # change what is generated, so they are not params and changing them reruns nothing.

@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def split(job):
-    from eagle3build.prepare import split_dataset
+    from eagle3build.data.prepare import split_dataset
 
     ds = job.params.dataset
     report = split_dataset(ds["path"], ds["format"], list(job.output), job.params.shard_size, ds["max_samples"],

@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def tokens(job):
-    from eagle3build.prepare import tokenize_shard
+    from eagle3build.data.prepare import tokenize_shard
 
     tokenize_shard(job.input.conversations, job.output.tokens, job.output.report, dict(job.params.tokenizer),
                    job.params.max_length)

@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def train(job):
-    from eagle3build.launch import launch
+    from eagle3build.train.launch import launch
 
     launch(hidden_paths=list(job.input.hidden), mapping_path=job.input.mapping, target=dict(job.params.target),
            out_dir=os.path.dirname(job.output.weights), state_dir=job.params.state_dir, params=dict(job.params.train))

@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def vocab(job):
-    from eagle3build.vocab import build_mapping
+    from eagle3build.draft.vocab import build_mapping
 
     report = build_mapping(list(job.input.counts), job.output.mapping, job.output.report, job.params.draft_vocab_size,
                            job.params.vocab_size)

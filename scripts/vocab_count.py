@@ -8,7 +8,7 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def count(job):
-    from eagle3build.vocab import count_shard
+    from eagle3build.draft.vocab import count_shard
 
     count_shard(job.input.tokens, job.output.counts, job.params.vocab_size)
 

@@ -11,7 +11,7 @@ import torch
 from conftest import STORIES
 from workflow_util import copy_workflow, planned_jobs, planned_outputs, snakemake, write_config
 
-from eagle3build.extract import stop_servers
+from eagle3build.extraction.job import stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -69,10 +69,10 @@ def test_regenerated_answers_come_from_the_target(chain):
 
 def test_trained_head_beats_an_untrained_one_on_held_back_prompts(chain, tmp_path):
     from eagle3build.atomic import save_safetensors_atomic
-    from eagle3build.evaluate import evaluate
-    from eagle3build.export import export, load_exported
-    from eagle3build.model import DraftConfig, Eagle3Draft
-    from eagle3build.target import load_target_head
+    from eagle3build.draft.export import export, load_exported
+    from eagle3build.draft.model import DraftConfig, Eagle3Draft
+    from eagle3build.draft.target import load_target_head
+    from eagle3build.evaluate.hf import evaluate
 
     trained = json.loads((chain / "build" / "eval" / "heldout.json").read_text())
     heldout = trained["sets"]["heldout"]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3build.chat import _overlap, char_spans_to_mask, load_tokenizer, render_conversation
+from eagle3build.data.chat import _overlap, char_spans_to_mask, load_tokenizer, render_conversation
+from eagle3build.data.formats import Record, normalize
 from eagle3build.errors import ConfigError, UserError
-from eagle3build.formats import Record, normalize
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(__file__).resolve().parents[2] / "shared"

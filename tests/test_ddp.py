@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from test_train import FAST, make_inputs
 
-from eagle3build.train import train
+from eagle3build.train.loop import train
 
 PARAMS = {**FAST, "epochs": 3, "batch_tokens": 32, "checkpoint_every": 1000, "val_fraction": 0.2}
 
@@ -62,7 +62,7 @@ def _expect_fsdp2_shards() -> None:
     """Make this rank's train() fail unless FSDP2 really shards the weights (each rank holds part)."""
     from torch.distributed.tensor import DTensor
 
-    from eagle3build import train as train_mod
+    from eagle3build.train import loop as train_mod
 
     shard = train_mod.shard_fsdp2
 

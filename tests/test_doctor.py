@@ -294,7 +294,7 @@ def test_kimi_config_is_valid_and_refused_until_pinned_and_mla_is_decided(tmp_pa
 def test_attention_kernel_is_checked_on_the_gpu_only(tmp_path, monkeypatch):
     """train.attention flash/cudnn is run against fp32 math where a GPU is visible; a kernel that fails
     there names the key; elsewhere the check is skipped (training runs it on its own GPU)."""
-    from eagle3build import kernel_attention
+    from eagle3build.attention import kernel as kernel_attention
 
     cfg = make_config(tmp_path, "unused", train={"attention": "cudnn"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

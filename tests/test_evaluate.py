@@ -6,7 +6,9 @@ import pytest
 import torch
 from conftest import STORY_CHAT_TEMPLATE as TEMPLATE
 
-from eagle3build.evaluate import (
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.draft.target import load_target_head
+from eagle3build.evaluate.hf import (
     AcceptanceStats,
     evaluate_set,
     greedy_generate,
@@ -14,8 +16,6 @@ from eagle3build.evaluate import (
     read_questions,
     speculative_generate,
 )
-from eagle3build.model import DraftConfig, Eagle3Draft
-from eagle3build.target import load_target_head
 
 torch.set_num_threads(1)  # 2 threads spin against the other jobs on a shared 2-core machine
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -87,7 +87,7 @@ def stories():
 def tokenizer(tmp_path_factory):
     if not STORIES.is_dir():
         pytest.skip(f"shared assets not found at {STORIES}")
-    from eagle3build.chat import load_tokenizer
+    from eagle3build.data.chat import load_tokenizer
 
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
@@ -256,7 +256,7 @@ def test_too_long_prompts_are_skipped_with_their_later_turns(stories, tokenizer)
 @pytest.fixture(scope="module")
 def trained_draft(stories, tokenizer):
     """40 TTT steps on 6 greedy continuations (K = V). Returns the draft and TTT's simulated tau."""
-    from eagle3build.ttt import pack, sdpa_attention, step_weights, summarize, ttt_forward, weighted_loss
+    from eagle3build.ttt.core import pack, sdpa_attention, step_weights, summarize, ttt_forward, weighted_loss
 
     head = load_target_head(STORIES)
     vocab = head.vocab_size
@@ -321,7 +321,7 @@ def test_trained_draft_is_lossless_and_matches_the_ttt_estimate(stories, tokeniz
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_one_teacher_forced_pass_predicts_every_round_of_the_loop(stories, tokenizer, trained_draft, k):
     """acceptance.py reads each round's acceptance off the greedy decode; it must equal the real loop."""
-    from eagle3build.acceptance import acceptance_for_sequence
+    from eagle3build.evaluate.acceptance import acceptance_for_sequence
 
     draft, _ = trained_draft
     total = 0
@@ -341,8 +341,8 @@ def test_one_teacher_forced_pass_predicts_every_round_of_the_loop(stories, token
 
 def test_evaluate_end_to_end_from_an_exported_checkpoint(tmp_path, stories, tokenizer, trained_draft):
     from eagle3build.atomic import save_safetensors_atomic
-    from eagle3build.evaluate import evaluate
-    from eagle3build.export import export
+    from eagle3build.draft.export import export
+    from eagle3build.evaluate.hf import evaluate
 
     draft, _ = trained_draft
     weights = {n: p.detach() for n, p in draft.named_parameters() if p.requires_grad}

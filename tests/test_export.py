@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from test_train import FAST, make_inputs
 
+from eagle3build.draft.export import WEIGHT_NAMES, export, load_exported
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.errors import UserError
-from eagle3build.export import WEIGHT_NAMES, export, load_exported
-from eagle3build.model import DraftConfig, Eagle3Draft
-from eagle3build.train import train
+from eagle3build.train.loop import train
 
 torch.set_num_threads(2)
 
@@ -115,7 +115,7 @@ def test_reloaded_head_gives_the_trained_logits(trained):
     with safe_open(str(root / "train" / "draft.safetensors"), framework="pt") as f:
         c = DraftConfig.from_dict(json.loads(f.metadata()["draft_config"]))
         weights = {k: f.get_tensor(k) for k in f.keys()}
-    from eagle3build.target import load_target_head
+    from eagle3build.draft.target import load_target_head
 
     trained_model = Eagle3Draft(c)
     trained_model.load_state_dict(

@@ -15,8 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3build.errors import UserError
-from eagle3build.extract import device_slot, extract_shard, forget_devices, stop_servers, visible_devices
-from eagle3build.extractor import Extractor, check_disk, length_batches
+from eagle3build.extraction.hf_server import Extractor, check_disk, length_batches
+from eagle3build.extraction.job import (
+    device_slot,
+    extract_shard,
+    forget_devices,
+    stop_servers,
+    visible_devices,
+)
 from eagle3build.shards import read_hidden, read_meta, write_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +196,7 @@ def test_server_start_failure_reports_log(tmp_path):
 
 def test_shard_job_side_imports_no_torch(tmp_path):
     """A shard job is a client of the server: importing torch (~1 s) would idle the GPU for it every shard."""
-    code = ("import sys, eagle3build.extract as e; e.pending_token_shards('.'); "
+    code = ("import sys, eagle3build.extraction.job as e; e.pending_token_shards('.'); "
             "assert 'torch' not in sys.modules, 'the job side imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -203,7 +209,7 @@ def test_device_list_is_looked_up_once_per_run_and_host(tmp_path, monkeypatch):
     # Later jobs read the list without torch; a file for this host and these variables says what they get.
     known = json.loads(cache.read_text())
     cache.write_text(json.dumps({**known, "devices": ["cuda:0", "cuda:1"]}))
-    code = ("import sys, eagle3build.extract as e; print(e.visible_devices('auto', sys.argv[1])); "
+    code = ("import sys, eagle3build.extraction.job as e; print(e.visible_devices('auto', sys.argv[1])); "
             "assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout

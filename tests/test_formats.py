@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3build.data.formats import count_records, iter_conversations
+from eagle3build.data.prepare import plan_shards, split_dataset
 from eagle3build.errors import ConfigError, UserError
-from eagle3build.formats import count_records, iter_conversations
-from eagle3build.prepare import plan_shards, split_dataset
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TRAIN = SHARED / "assets" / "data" / "train"
@@ -342,8 +342,8 @@ def test_count_records_does_not_parse_jsonl(tmp_path):
 
 RSS_SCRIPT = textwrap.dedent("""
     import json, resource, sys
-    from eagle3build.formats import count_records
-    from eagle3build.prepare import plan_shards, split_dataset
+    from eagle3build.data.formats import count_records
+    from eagle3build.data.prepare import plan_shards, split_dataset
     src, out, shard_size = sys.argv[1], sys.argv[2], 5000
     n = plan_shards(count_records(src), shard_size, None)
     split_dataset(src, "auto", [f"{out}/{i:05d}.jsonl" for i in range(n)], shard_size, None, None, "big")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3build.attention.kernel import FlashKernel, check_kernel, segments
 from eagle3build.errors import ConfigError
-from eagle3build.kernel_attention import FlashKernel, check_kernel, segments
 
 torch.set_num_threads(2)
 
@@ -47,7 +47,7 @@ def test_check_kernel_stops_a_kernel_whose_lse_convention_changed(monkeypatch):
 def test_train_refuses_cudnn_on_cpu_before_loading_anything(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")
-    from eagle3build.train import train
+    from eagle3build.train.loop import train
 
     missing = str(tmp_path / "missing")
     with pytest.raises(ConfigError, match="train.attention"):
@@ -57,7 +57,7 @@ def test_train_refuses_cudnn_on_cpu_before_loading_anything(tmp_path):
 def test_train_reports_a_kernel_that_fails_its_check(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")
-    from eagle3build import train as train_module
+    from eagle3build.train import loop as train_module
 
     def broken(name, device):
         raise RuntimeError(f"attention kernel {name!r} does not run")

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from eagle3build import launch
 from eagle3build.errors import UserError
+from eagle3build.train import launch as launch
 
 
 def test_several_gpus_go_through_torchrun(monkeypatch, tmp_path):
@@ -25,7 +25,7 @@ def test_several_gpus_go_through_torchrun(monkeypatch, tmp_path):
     launch.launch(["h0.safetensors"], "map.safetensors", {"path": "model", "revision": "abc"}, str(tmp_path / "out"),
                   str(tmp_path / "state"), {"gpus": 4, "lr": 1e-4})
     assert seen["cmd"][:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--nproc-per-node=4" in seen["cmd"] and seen["cmd"][-2] == "eagle3build.launch"
+    assert "--nproc-per-node=4" in seen["cmd"] and seen["cmd"][-2] == "eagle3build.train.launch"
     assert seen["spec"]["params"] == {"lr": 1e-4}  # `gpus` is the launcher's, not the trainer's
     assert seen["spec"]["target_revision"] == "abc"
     assert seen["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast stays off

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from eagle3build.model import DraftConfig, Eagle3Draft
-from eagle3build.target import TargetHead
-from eagle3build.ttt import (
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.draft.target import TargetHead
+from eagle3build.ttt.core import (
     MathMergedAttention,
     TargetScorer,
     make_attention,
@@ -200,7 +200,7 @@ def test_flex_block_mask_is_the_causal_per_sample_mask():
     """Flex attends over the step-0 keys only (the diagonals are merged by LSE): causal, per sample."""
     from torch.nn.attention.flex_attention import create_mask
 
-    from eagle3build.ttt import FlexAttention, _step_mask
+    from eagle3build.ttt.core import FlexAttention, _step_mask
 
     doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 1, 7]))
     n = len(doc)
@@ -280,7 +280,7 @@ def test_compiled_tuning_follows_the_environment(monkeypatch):
     """Coordinate-descent tuning is on unless TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 (the documented off switch)."""
     import torch._inductor.config as inductor_config
 
-    from eagle3build.ttt import compiled
+    from eagle3build.ttt.core import compiled
 
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", inductor_config.coordinate_descent_tuning)
     monkeypatch.delenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", raising=False)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3build.data.formats import count_records
+from eagle3build.data.prepare import format_sample, plan_shards, split_dataset, tokenize_shard
 from eagle3build.errors import UserError
-from eagle3build.formats import count_records
-from eagle3build.prepare import format_sample, plan_shards, split_dataset, tokenize_shard
 from eagle3build.shards import read_tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_show_cli_plain_output(tmp_path):
         [
             sys.executable,
             "-m",
-            "eagle3build.prepare",
+            "eagle3build.data.prepare",
             "show",
             str(tokens),
             "--index",
@@ -186,7 +186,7 @@ def test_show_cli_plain_output(tmp_path):
         [
             sys.executable,
             "-m",
-            "eagle3build.prepare",
+            "eagle3build.data.prepare",
             "show",
             str(tokens),
             "--index",
@@ -200,7 +200,7 @@ def test_show_cli_plain_output(tmp_path):
     )
     assert via_make.returncode == 0 and via_make.stdout == result.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "eagle3build.prepare", "show", str(tokens), "--index", "9"],
+        [sys.executable, "-m", "eagle3build.data.prepare", "show", str(tokens), "--index", "9"],
         capture_output=True,
         text=True,
         cwd=REPO,

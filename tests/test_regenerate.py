@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fake_openai_server import FakeOpenAIServer, fake_answer  # noqa: E402
 
+from eagle3build.data.regenerate import HFBackend, PartialFile, regenerate_shard  # noqa: E402
 from eagle3build.errors import UserError  # noqa: E402
-from eagle3build.regenerate import HFBackend, PartialFile, regenerate_shard  # noqa: E402
 
 torch.set_num_threads(1)
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -172,7 +172,7 @@ def test_resume_continues_a_conversation_at_its_first_unfinished_turn(tmp_path):
 
 
 def test_hf_backend_resumes_mid_conversation(tmp_path, stories_target):
-    from eagle3build.regenerate import DEFAULTS, Replay, _fingerprint
+    from eagle3build.data.regenerate import DEFAULTS, Replay, _fingerprint
 
     samples = [
         {"id": "a", "messages": [{"role": "user", "content": "Once upon a time there was a cat."},

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3build.errors import UserError
 from eagle3build.shards import HiddenShardWriter, _cu_seqlens, read_meta
-from eagle3build.train import train
+from eagle3build.train.loop import train
 
 torch.set_num_threads(2)
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(inputs, tmp_path):
     run_dir = tmp_path / "killed"
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(2)
-        from eagle3build.train import train
+        from eagle3build.train.loop import train
         train({inputs["shards"]!r}, {inputs["mapping"]!r}, {inputs["target"]!r}, {str(run_dir / "out")!r},
               {str(run_dir / "state")!r}, {KILL_PARAMS!r})
     """)
@@ -245,7 +245,7 @@ def test_checkpoint_of_another_run_is_refused(inputs, tmp_path):
     summary, out, state = run(inputs, tmp_path, epochs=1)
     ckpt = sorted((state / summary["params_hash"]).glob("ckpt-*.safetensors"))[-1]
     other = {**FAST, "epochs": 1, "lr": 5e-4}
-    from eagle3build.train import params_hash, resolve_params  # noqa: F401
+    from eagle3build.train.loop import params_hash, resolve_params  # noqa: F401
 
     # place the checkpoint where a run with other params looks for its state
     first = train(
@@ -347,7 +347,7 @@ def test_compiled_runs_pad_batches_on_the_host_and_train_the_same(inputs, tmp_pa
 
     torch.compile is replaced by the identity, so this runs the compiled run's batch path on CPU fast.
     """
-    from eagle3build import ttt
+    from eagle3build.ttt import core as ttt
 
     eager, out_e, _ = run(inputs, tmp_path / "eager", epochs=2)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
@@ -379,7 +379,7 @@ def _clip_problem(scale: float, fused: bool):
 def test_clipped_step_folds_the_clip_into_fused_adamw(scale, monkeypatch):
     """With a fused AdamW the clip coefficient rides in the optimizer's pass (grad_scale): the same
     update and norm as clip_grad_norm_ + step, without clip_grad_norm_'s own pass over the gradients."""
-    from eagle3build import train as train_module
+    from eagle3build.train import loop as train_module
 
     reference, optimizer = _clip_problem(scale, fused=False)
     norm_ref = torch.nn.utils.clip_grad_norm_(reference, 0.5)
@@ -399,7 +399,7 @@ def test_clipped_step_folds_the_clip_into_fused_adamw(scale, monkeypatch):
 def test_clipped_step_clips_the_usual_way_where_adamw_ignores_grad_scale(monkeypatch):
     """A torch whose fused AdamW stopped reading grad_scale would clip nothing silently: the one-time
     check sees it and the step clips with clip_grad_norm_ instead."""
-    from eagle3build import train as train_module
+    from eagle3build.train import loop as train_module
 
     reference, optimizer = _clip_problem(1.0, fused=False)
     torch.nn.utils.clip_grad_norm_(reference, 0.5)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from eagle3build.ttt import _step_mask, merge_diagonal, reference_attention
+from eagle3build.ttt.core import _step_mask, merge_diagonal, reference_attention
 
 torch.set_num_threads(2)
 
@@ -50,7 +50,7 @@ def test_lse_merge_equals_one_softmax_over_all_keys_with_gradients(step):
 
 
 def test_fused_projections_equal_the_named_ones():
-    from eagle3build.model import DraftConfig, Eagle3Draft
+    from eagle3build.draft.model import DraftConfig, Eagle3Draft
 
     c = DraftConfig(32, 4, 2, 8, 48, 1e-5, 10000.0, 64, 50, 20, 32, [1, 2, 3])
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def test_weights_cast_once_per_step_give_the_named_weights_their_gradients():
     """Under autocast, fused_weights(dtype) casts every projection once for all TTT steps instead of once
     per use; each use's gradient adds up in that dtype and reaches the fp32 parameter: the same
     gradients as casting per use, to the dtype's rounding."""
-    from eagle3build.model import DraftConfig, Eagle3Draft
+    from eagle3build.draft.model import DraftConfig, Eagle3Draft
 
     c = DraftConfig(32, 4, 2, 8, 48, 1e-5, 10000.0, 64, 50, 20, 32, [1, 2, 3])
     torch.manual_seed(0)
@@ -112,8 +112,8 @@ def test_per_step_weights_give_the_shared_weights_gradients(monkeypatch):
     """Compiled steps each read their own alias of the per-step weights (ttt.PerStepWeights), whose
     gradients one compiled kernel adds: the named weights get the gradients of plain shared use, also
     where a step leaves some aliases unused (step 1 here skips o_proj and the MLP)."""
-    from eagle3build import ttt
-    from eagle3build.model import DraftConfig, Eagle3Draft
+    from eagle3build.draft.model import DraftConfig, Eagle3Draft
+    from eagle3build.ttt import core as ttt
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
     monkeypatch.setattr(ttt, "_COMPILED", {})
@@ -146,7 +146,7 @@ def test_padding_a_batch_changes_no_loss_or_count():
     """Compiled runs pad batches to a bucketed length: the dummy sample must carry nothing."""
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.ttt import MathMergedAttention, pack, pad_batch, ttt_forward
+    from eagle3build.ttt.core import MathMergedAttention, pack, pad_batch, ttt_forward
 
     model, _, scorer = tiny_draft()
     batch = pack(random_samples([7, 5, 9], seed=4))
@@ -162,7 +162,7 @@ def test_padding_a_batch_changes_no_loss_or_count():
 
 def loss_and_grads(model, scorer, batch, attention, compile=False):
     """One TTT forward + backward: the stats and every parameter's gradient."""
-    from eagle3build.ttt import ttt_forward
+    from eagle3build.ttt.core import ttt_forward
 
     model.zero_grad()
     stats = ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), 3, attention, compile=compile)
@@ -188,7 +188,7 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
 
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.ttt import MathMergedAttention, pack, pad_batch, ttt_forward, with_loss_rows
+    from eagle3build.ttt.core import MathMergedAttention, pack, pad_batch, ttt_forward, with_loss_rows
 
     model, _, scorer = tiny_draft()
     samples = random_samples([9, 6, 11], seed=5)
@@ -222,7 +222,7 @@ def test_step_rows_give_every_loss_count_and_gradient_of_all_rows(attention):
 
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.ttt import (
+    from eagle3build.ttt.core import (
         MathMergedAttention,
         make_attention,
         pack,
@@ -271,8 +271,9 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     CPU backend), with loss rows and step rows. Same losses, counts and gradients as the eager step."""
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build import kernel_attention, ttt
-    from eagle3build.ttt import MathMergedAttention, pack, pad_batch, with_loss_rows, with_step_rows
+    from eagle3build.attention import kernel as kernel_attention
+    from eagle3build.ttt import core as ttt
+    from eagle3build.ttt.core import MathMergedAttention, pack, pad_batch, with_loss_rows, with_step_rows
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
     monkeypatch.setattr(ttt, "_COMPILED", {})  # compiled here, whatever ran before

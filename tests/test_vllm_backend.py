@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3build import vllm_backend
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.extraction import vllm as vllm_backend
+from eagle3build.extraction.vllm import VllmServer, build_command, extract_shard_vllm, stop_servers
 from eagle3build.shards import read_hidden, read_tokens, write_tokens
-from eagle3build.vllm_backend import VllmServer, build_command, extract_shard_vllm, stop_servers
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_vllm_server  # noqa: E402
@@ -260,7 +260,7 @@ def test_a_rejected_prompt_is_not_retried_and_names_max_model_len(run_dir, tmp_p
 CLIENT = textwrap.dedent(
     """
     import json, sys
-    from eagle3build.vllm_backend import extract_shard_vllm
+    from eagle3build.extraction.vllm import extract_shard_vllm
     extract_shard_vllm(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4])
     """
 )

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3build.draft.vocab import build_mapping, count_shard, select_vocab
 from eagle3build.errors import UserError
 from eagle3build.shards import write_tokens
-from eagle3build.vocab import build_mapping, count_shard, select_vocab
 
 
 def test_select_vocab_top_k_ties_by_lower_id_sorted():

@@ -18,7 +18,7 @@ import pytest
 from conftest import SHARED, STORIES
 from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
 
-from eagle3build.extract import stop_servers
+from eagle3build.extraction.job import stop_servers
 from eagle3build.shards import read_hidden
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import Eagle3Draft, attention_scale
-from .ttt import shift
+from eagle3build.draft.model import Eagle3Draft, attention_scale
+from eagle3build.ttt.core import shift
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ split_dataset(source, fmt, out_paths, shard_size, max_samples, split, name)   ->
 tokenize_shard(conv_path, out_tokens, out_report, tokenizer, max_length)      -> tokens/{ds}/{shard}.*
 show_sample(tokens_path, index, tokenizer_path)                                a mask viewer:
 
-python -m eagle3build.prepare show build/tokens/demo/00000.safetensors --index 3 --tokenizer models/X
+python -m eagle3build.data.prepare show build/tokens/demo/00000.safetensors --index 3 --tokenizer models/X
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import math
 import sys
 from pathlib import Path
 
-from .atomic import atomic_path, write_json_atomic
-from .errors import UserError
-from .formats import SkipRecord, iter_conversations, iter_jsonl
+from eagle3build.atomic import atomic_path, write_json_atomic
+from eagle3build.data.formats import SkipRecord, iter_conversations, iter_jsonl
+from eagle3build.errors import UserError
 
 DEFAULTS = {
     "format": "auto",  # datasets[i].format: auto | sharegpt | openai | alpaca | hh | questions
@@ -134,8 +134,14 @@ def tokenize_shard(
     """
     import torch
 
-    from .chat import TemplateError, char_spans_to_mask, load_tokenizer, render_conversation, special_tokens
-    from .shards import write_tokens
+    from eagle3build.data.chat import (
+        TemplateError,
+        char_spans_to_mask,
+        load_tokenizer,
+        render_conversation,
+        special_tokens,
+    )
+    from eagle3build.shards import write_tokens
 
     if max_length < 2:
         raise UserError(f"prepare.max_length must be >= 2, got {max_length}")
@@ -271,7 +277,7 @@ def show_sample(
 
     The tokenizer defaults to the one recorded in the shard (the one that made it).
     """
-    from .shards import read_tokens
+    from eagle3build.shards import read_tokens
 
     out = out or sys.stdout
     shard = read_tokens(tokens_path)
@@ -311,7 +317,7 @@ def _config_trusts_remote_code(config_path: str | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3build.prepare")
+    parser = argparse.ArgumentParser(prog="python -m eagle3build.data.prepare")
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print one prepared sample with its trained tokens highlighted")
     show.add_argument("tokens", help="a token shard (build/tokens/<dataset>/<shard>.safetensors)")

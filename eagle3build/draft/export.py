@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import FORMAT_VERSIONS
-from .atomic import atomic_path, save_safetensors_atomic, write_json_atomic
-from .errors import UserError
-from .model import DraftConfig, Eagle3Draft
-from .target import load_target_head, read_target_config
+from eagle3build import FORMAT_VERSIONS
+from eagle3build.atomic import atomic_path, save_safetensors_atomic, write_json_atomic
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.draft.target import load_target_head, read_target_config
+from eagle3build.errors import UserError
 
 DEFAULTS = {
     "dtype": "bfloat16",  # bfloat16 | float16 | float32: dtype of the exported weights

@@ -7,7 +7,7 @@ so no logits and no extra hidden states are materialised. Samples are sorted by 
 under a token budget (right padding never changes a causal model's states at real positions); only
 real tokens are stored, packed back to back, by a writer thread that overlaps disk writes with compute.
 
-`serve` runs it behind the socket of `eagle3build.extract` (the shard jobs' side, which imports no torch).
+`serve` runs it behind the socket of `eagle3build.extraction.job` (the shard jobs' side, which imports no torch).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
-from .extract import _recv, _send
-from .shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
+from eagle3build.errors import UserError
+from eagle3build.extraction.job import _recv, _send
+from eagle3build.shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

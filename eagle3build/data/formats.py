@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, UserError
+from eagle3build.errors import ConfigError, UserError
 
 FORMATS = ("auto", "sharegpt", "openai", "alpaca", "hh", "questions")
 ROLES = ("system", "user", "assistant", "tool")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .atomic import save_safetensors_atomic, write_json_atomic
-from .errors import UserError
-from .shards import read_counts, read_tokens, write_counts
+from eagle3build.atomic import save_safetensors_atomic, write_json_atomic
+from eagle3build.errors import UserError
+from eagle3build.shards import read_counts, read_tokens, write_counts
 
 
 def count_shard(tokens_path: str, out_path: str, vocab_size: int) -> int:
@@ -64,7 +64,7 @@ def build_mapping(count_paths: list[str], out_mapping: str, out_report: str, dra
               "tokens_counted": int(total.sum()), "distinct_tokens_seen": int((total > 0).sum()),
               "coverage": covered / int(total.sum()), "shards": len(count_paths)}
     save_safetensors_atomic(out_mapping, {"d2t": d2t.to(torch.int64), "t2d": t2d},
-                            {"format": "eagle3build.vocab", "draft_vocab_size": str(k), "vocab_size": str(vocab_size),
+                            {"format": "eagle3build.draft.vocab", "draft_vocab_size": str(k), "vocab_size": str(vocab_size),
                              "coverage": f"{report['coverage']:.6f}"})
     write_json_atomic(out_report, report)
     return report

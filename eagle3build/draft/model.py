@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError
-from .target import TargetHead, default_aux_layer_ids, rms_norm
+from eagle3build.draft.target import TargetHead, default_aux_layer_ids, rms_norm
+from eagle3build.errors import ConfigError
 
 
 @dataclass

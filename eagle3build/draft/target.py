@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import UserError
+from eagle3build.errors import UserError
 
 # Where the decoder lives inside the checkpoint, most common first. Multimodal wrappers nest the
 # language model one or two levels down.

@@ -2,7 +2,7 @@
 
 Snakemake runs one job per shard, each in its own process. So that the model is loaded once per
 extraction run rather than once per shard, shard jobs are clients of one extraction server per device
-(`python -m eagle3build.extract serve`, the model side in `eagle3build.extractor`), started by the first
+(`python -m eagle3build.extraction.job serve`, the model side in `eagle3build.extraction.hf_server`), started by the first
 job that needs it, shared through a state file under a lock, stopped by the workflow's onsuccess/onerror
 hooks (`stop_servers`) or after an idle timeout. A job picks a free device by taking an exclusive `flock`
 on that device's slot file, so concurrent jobs never share a GPU and a crashed job frees its slot
@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import write_json_atomic
-from .errors import UserError
+from eagle3build.atomic import write_json_atomic
+from eagle3build.errors import UserError
 
 DEFAULTS = {
     "backend": "hf",
@@ -178,7 +178,7 @@ def ensure_server(run_dir: Path, index: int, identity: dict, params: dict) -> di
             if _alive(state["pid"]):  # another model / revision / layer set: replace it
                 _stop_pid(state["pid"])
             state_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "eagle3build.extract", "serve", "--identity", json.dumps(identity),
+        cmd = [sys.executable, "-m", "eagle3build.extraction.job", "serve", "--identity", json.dumps(identity),
                "--state-file", str(state_file), "--idle-s", str(params.get("server_idle_s", DEFAULTS["server_idle_s"]))]
         env = dict(os.environ)
         with open(log, "ab") as logf:
@@ -237,7 +237,7 @@ def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, r
     with device_slot(run_dir, devices) as index:
         identity = identity_of(target, params["aux_layer_ids"], devices[index])
         if not params["server"]:
-            from .extractor import Extractor, run_request
+            from eagle3build.extraction.hf_server import Extractor, run_request
 
             ex = Extractor(identity["model"], identity["aux_layer_ids"], identity["device"], identity["dtype"],
                            identity["revision"], identity["trust_remote_code"])
@@ -266,7 +266,7 @@ def pending_token_shards(out_root: str, this_shard: str | None = None) -> list[s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eagle3build.extract")
+    p = argparse.ArgumentParser(prog="python -m eagle3build.extraction.job")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run an extraction server (started by shard jobs)")
     s.add_argument("--identity", required=True)
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     st.add_argument("run_dir")
     args = p.parse_args(argv)
     if args.cmd == "serve":
-        from .extractor import serve
+        from eagle3build.extraction.hf_server import serve
 
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         serve(json.loads(args.identity), args.state_file, args.idle_s)

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .ttt import _kernel, grouped_heads, merge_forward, reference_attention, stacked_diagonals, token_major
+from eagle3build.ttt.core import (
+    _kernel,
+    grouped_heads,
+    merge_forward,
+    reference_attention,
+    stacked_diagonals,
+    token_major,
+)
 
 KERNELS = ("flash", "cudnn")
 

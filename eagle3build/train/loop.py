@@ -33,14 +33,14 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from . import FORMAT_VERSIONS
-from .atomic import atomic_path, save_safetensors_atomic, write_json_atomic
-from .errors import ConfigError, UserError
-from .kernel_attention import KERNELS, check_kernel
-from .model import DraftConfig, Eagle3Draft
-from .shards import HIDDEN_FORMAT, dequantize_fp8, read_meta
-from .target import TargetHead, load_target_head
-from .ttt import (
+from eagle3build import FORMAT_VERSIONS
+from eagle3build.atomic import atomic_path, save_safetensors_atomic, write_json_atomic
+from eagle3build.attention.kernel import KERNELS, check_kernel
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.draft.target import TargetHead, load_target_head
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.shards import HIDDEN_FORMAT, dequantize_fp8, read_meta
+from eagle3build.ttt.core import (
     ATTENTION_IMPLS,
     PackedBatch,
     TargetScorer,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import requests
 
-from .errors import UserError
+from eagle3build.errors import UserError
 
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 

@@ -1,6 +1,6 @@
 """Start training in this process, or across GPUs with torchrun (DDP) — one Snakemake job either way.
 
-    python -m eagle3build.launch SPEC.json     # what each torchrun worker runs
+    python -m eagle3build.train.launch SPEC.json     # what each torchrun worker runs
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from .errors import UserError
+from eagle3build.errors import UserError
 
 
 def launch(hidden_paths: list[str], mapping_path: str, target: dict, out_dir: str, state_dir: str,
@@ -33,7 +33,7 @@ def launch(hidden_paths: list[str], mapping_path: str, target: dict, out_dir: st
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=state_dir, delete=False) as f:
         json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "-m", "eagle3build.launch", f.name]
+           "-m", "eagle3build.train.launch", f.name]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
     try:
         proc = subprocess.run(cmd, env=env)
@@ -45,7 +45,7 @@ def launch(hidden_paths: list[str], mapping_path: str, target: dict, out_dir: st
 
 
 def run_spec(spec: dict) -> dict:
-    from .train import train
+    from eagle3build.train.loop import train
 
     return train(spec["hidden_paths"], spec["mapping_path"], spec["target_path"], spec["out_dir"],
                  spec["state_dir"], spec["params"], target_revision=spec.get("target_revision"))

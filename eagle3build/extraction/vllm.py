@@ -16,7 +16,7 @@ Two pieces:
 - `extract_shard_vllm(...)`: sends every sample of a token shard, checks each returned file and writes
   exactly the hidden shard the HF backend writes (slots = 3 aux ids then the final id N).
 
-`python -m eagle3build.vllm_backend stop RUN_DIR` stops this host's server (what `stop_servers` does).
+`python -m eagle3build.extraction.vllm stop RUN_DIR` stops this host's server (what `stop_servers` does).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .atomic import write_json_atomic
-from .errors import ConfigError, UserError
-from .shards import NUM_SLOTS, HiddenShardWriter, read_tokens
+from eagle3build.atomic import write_json_atomic
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.shards import NUM_SLOTS, HiddenShardWriter, read_tokens
 
 # Defaults of the config section `extract.vllm`.
 DEFAULTS = {
@@ -117,7 +117,7 @@ def resolve_params(params: dict) -> dict:
         out.setdefault("revision", target.get("revision"))
         out.setdefault("trust_remote_code", target.get("trust_remote_code"))
         if "layer_ids" not in params or "hidden_size" not in params:
-            from .config import target_text_config
+            from eagle3build.config import target_text_config
 
             text = target_text_config(
                 {
@@ -361,7 +361,7 @@ class VllmServer:
                 raise UserError(
                     f"{self.state_path}: the vLLM server (pid {state.pid}) {what} and other jobs are still "
                     f"using it; let them finish, or stop it with "
-                    f"`python -m eagle3build.vllm_backend stop {self.run_dir}` and rerun"
+                    f"`python -m eagle3build.extraction.vllm stop {self.run_dir}` and rerun"
                 )
             _terminate_group(state.pid, state.start_ticks)
         self.state_path.unlink(missing_ok=True)
@@ -429,7 +429,7 @@ class VllmServer:
                 [
                     sys.executable,
                     "-m",
-                    "eagle3build.vllm_backend",
+                    "eagle3build.extraction.vllm",
                     "_watch",
                     str(self.dir),
                     str(float(self.cfg["idle_timeout_s"])),
@@ -668,7 +668,7 @@ def extract_shard_vllm(tokens_path: str, out_path: str, params: dict, run_dir: s
 # ---------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m eagle3build.vllm_backend", description=__doc__.split("\n")[0]
+        prog="python -m eagle3build.extraction.vllm", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     stop = sub.add_parser("stop", help="stop this host's vLLM server of a run dir")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError, UserError
+from eagle3build.errors import ConfigError, UserError
 
 
 class TemplateError(Exception):

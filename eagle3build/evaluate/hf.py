@@ -33,12 +33,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import FORMAT_VERSIONS
-from .acceptance import acceptance_for_sequence
-from .atomic import atomic_path, write_json_atomic
-from .errors import ConfigError, UserError
-from .formats import iter_jsonl
-from .regenerate import eos_token_ids, load_target_model, load_target_tokenizer, resolve_device, target_path
+from eagle3build import FORMAT_VERSIONS
+from eagle3build.atomic import atomic_path, write_json_atomic
+from eagle3build.data.formats import iter_jsonl
+from eagle3build.data.regenerate import (
+    eos_token_ids,
+    load_target_model,
+    load_target_tokenizer,
+    resolve_device,
+    target_path,
+)
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.evaluate.acceptance import acceptance_for_sequence
 
 DEFAULTS = {
     "k": [1, 2, 3, 4, 5, 6, 7],  # draft lengths to evaluate
@@ -360,7 +366,7 @@ def _check_params(params: dict) -> list[int]:
 
 def load_draft(draft_dir: str, target: dict, device: torch.device, dtype: torch.dtype):
     """The exported draft; a checkpoint without embed_tokens takes the target's (a local target dir)."""
-    from .export import load_exported
+    from eagle3build.draft.export import load_exported
 
     local_target = target_path(target) if Path(target_path(target)).is_dir() else None
     return load_exported(draft_dir, device=device, dtype=dtype, target_path=local_target)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from .model import Eagle3Draft, FusedWeights, attention_scale
-from .target import TargetHead, rms_norm
+from eagle3build.draft.model import Eagle3Draft, FusedWeights, attention_scale
+from eagle3build.draft.target import TargetHead, rms_norm
 
 ATTENTION_IMPLS = ("flex", "flash", "cudnn", "sdpa", "reference")
 
@@ -450,7 +450,7 @@ def make_attention(impl: str, compile: bool = False) -> Callable:
     if impl == "flex":
         return FlexAttention(compile)
     if impl in ("flash", "cudnn"):
-        from .kernel_attention import KernelAttention  # which builds on this module
+        from eagle3build.attention.kernel import KernelAttention  # which builds on this module
 
         return KernelAttention(impl, compile)
     if impl == "sdpa":

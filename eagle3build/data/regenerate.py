@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from . import FORMAT_VERSIONS
-from .atomic import atomic_path, write_json_atomic
-from .errors import ConfigError, UserError
-from .formats import iter_jsonl
+from eagle3build import FORMAT_VERSIONS
+from eagle3build.atomic import atomic_path, write_json_atomic
+from eagle3build.data.formats import iter_jsonl
+from eagle3build.errors import ConfigError, UserError
 
 DEFAULTS = {
     "backend": "hf",  # hf | openai
@@ -71,7 +71,7 @@ def target_path(target: dict) -> str:
 
 def load_target_tokenizer(target: dict):
     """The target's tokenizer with its chat template (target['chat_template'], a Jinja file, overrides)."""
-    from .chat import load_tokenizer
+    from eagle3build.data.chat import load_tokenizer
 
     return load_tokenizer(
         target_path(target),
@@ -303,7 +303,7 @@ class OpenAIBackend:
     """Concurrent conversations against an OpenAI-compatible server; turns within one are sequential."""
 
     def __init__(self, params: dict):
-        from .openai_client import ChatClient
+        from eagle3build.engine.openai import ChatClient
 
         self.params = params
         self.client = ChatClient(
@@ -337,7 +337,7 @@ class OpenAIBackend:
         return replay
 
     def run(self, replays: dict[int, Replay], on_turn: Callable[[int, Replay], None]) -> Iterator[tuple[int, Replay | Exception]]:
-        from .openai_client import RequestFailed
+        from eagle3build.engine.openai import RequestFailed
 
         with ThreadPoolExecutor(max_workers=int(self.params["concurrency"])) as pool:
             futures = {pool.submit(self.converse, i, r, on_turn): i for i, r in replays.items()}
