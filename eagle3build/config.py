@@ -30,15 +30,54 @@ def load_config(path: str | Path) -> dict:
 
 def validate_config(config: dict, validate) -> None:
     """Validate against the schema, naming the offending key; then let Snakemake fill the defaults."""
-    import jsonschema
+    _check(_schema(), config, "")
+    validate(config, str(SCHEMA))
+
+
+@lru_cache(maxsize=1)
+def _schema() -> dict:
     import yaml
 
-    schema = yaml.safe_load(SCHEMA.read_text())
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def _check(schema: dict, value: dict, prefix: str) -> None:
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(value))
     if error is not None:
-        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        key = (prefix + path).lstrip(".")
         raise ConfigError(key or "(top level)", f"{error.message} (see schemas/config.schema.yaml)")
-    validate(config, str(SCHEMA))
+
+
+def section_schema(section: str) -> dict:
+    """The schema of one config section, by dotted name ('train', 'extract.vllm')."""
+    node = _schema()
+    for part in section.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def section_defaults(section: str) -> dict:
+    """The defaults of one config section as the schema states them (the one source of every default)."""
+    import copy
+
+    props = section_schema(section).get("properties", {})
+    return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
+
+
+def resolve_section(section: str, given: dict | None) -> dict:
+    """A section as a stage uses it: the keys given (a rule's params, an API call's arguments) checked
+    against the schema, over the schema's defaults. An unknown key or a bad value names its config key."""
+    given = dict(given or {})
+    schema = section_schema(section)
+    known = schema.get("properties", {})
+    unknown = sorted(set(given) - set(known))
+    if unknown and schema.get("additionalProperties") is False:
+        raise ConfigError(f"{section}.{unknown[0]}", f"unknown key; known keys: {sorted(known)}")
+    _check(schema, given, section)
+    return {**section_defaults(section), **given}
 
 
 def _read_json(path: Path) -> dict:
