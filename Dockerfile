@@ -1,11 +1,13 @@
 # syntax=docker/dockerfile:1
 # eagle3build image: the official vLLM OpenAI image, pinned by tag AND digest, plus this project.
-# To move to another vLLM: `docker buildx imagetools inspect vllm/vllm-openai:<tag>` prints the index
-# digest; change VLLM_TAG and VLLM_DIGEST here and in mk/docker.mk (which passes them as build args),
-# then run `make doctor` inside the new image before a long run.
-ARG VLLM_IMAGE=vllm/vllm-openai
-ARG VLLM_TAG=v0.25.0
-ARG VLLM_DIGEST=sha256:fc56161ee42a011aeee78b65d0a81b6683c7d04402fd40503d14d4d6c98f07cb
+# The pin has one home, docker/base-image; `make docker-build` reads it and passes it here as build args
+# (so these ARGs have no defaults: build through make). To move to another vLLM,
+# `docker buildx imagetools inspect vllm/vllm-openai:<tag>` prints the index digest: write
+# `vllm/vllm-openai:<tag>@<digest>` into docker/base-image, then run `make doctor` inside the new image
+# before a long run.
+ARG VLLM_IMAGE
+ARG VLLM_TAG
+ARG VLLM_DIGEST
 FROM ${VLLM_IMAGE}:${VLLM_TAG}@${VLLM_DIGEST}
 
 ARG VLLM_IMAGE
@@ -31,15 +33,20 @@ ENV EAGLE3_IMAGE="${VLLM_IMAGE}:${VLLM_TAG}@${VLLM_DIGEST}" \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/eagle3build
 
-# The pinned requirements may add packages but never swap the engine: torch, vLLM and their kernels
-# stay exactly as the base image built them, and the build fails if vLLM's own requirements break.
-COPY requirements.txt ./
-RUN python3 -m pip freeze | grep -iE '^(torch|torchvision|torchaudio|vllm|triton|xformers|flashinfer-python)==' \
-        > /tmp/engine-constraints.txt \
- && python3 -m pip install --no-cache-dir -c /tmp/engine-constraints.txt -r requirements.txt \
- && { python3 -m pip check > /tmp/pip-check.txt || true; } \
- && if grep -iE '^(vllm|torch) ' /tmp/pip-check.txt; then exit 1; fi \
- && rm -f /tmp/engine-constraints.txt /tmp/pip-check.txt
+# The image keeps its own engine: torch, transformers, vLLM and every other package it has stay as the
+# base image built them. docker/image_requirements.py skips each requirement the image already has (the
+# image's version wins), holds every installed package at its version (constraints) and refuses
+# requirements that contradict vLLM's declared ones; the build then fails if `pip check` reports a
+# problem the base image did not already have. Each failure names the package.
+COPY requirements.txt docker/image_requirements.py ./
+RUN python3 -m pip list --format=freeze > /tmp/image-installed.txt \
+ && { python3 -m pip check > /tmp/pip-check-before.txt || true; } \
+ && python3 image_requirements.py plan --requirements requirements.txt --installed /tmp/image-installed.txt \
+        --install-out /tmp/image-install.txt --constraints-out /tmp/image-constraints.txt \
+ && python3 -m pip install --no-cache-dir -c /tmp/image-constraints.txt -r /tmp/image-install.txt \
+ && { python3 -m pip check > /tmp/pip-check-after.txt || true; } \
+ && python3 image_requirements.py check --before /tmp/pip-check-before.txt --after /tmp/pip-check-after.txt \
+ && rm -f /tmp/image-*.txt /tmp/pip-check-*.txt image_requirements.py
 
 COPY pyproject.toml ./
 COPY eagle3build ./eagle3build

@@ -25,7 +25,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.ttt.core import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
+from eagle3build.compilation import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -56,8 +56,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--docs", type=int, default=1, choices=(1, 2), help="packed samples in the sequence")
-    ap.add_argument("--no-autotune", dest="autotune", action="store_false", help="skip max-autotune (~1 min)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-autotune", dest="autotune", action="store_false", help="skip max-autotune (slow to compile)")
+    ap.add_argument("--out", default=None,
+                    help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
     T, dev = args.seq, "cuda"
     torch.manual_seed(0)
@@ -94,7 +95,7 @@ def main() -> int:
                                       scale=scale, window_size=(-1, 0), **extra)
         return out.transpose(0, 1).unsqueeze(0), lse.reshape(1, HEADS, T)
 
-    impls = {"flex, as trained (ttt.compiled, default blocks)": flex(compiled(flex_attention, dynamic=False))}
+    impls = {"flex, as trained (compilation.compiled, default blocks)": flex(compiled(flex_attention, dynamic=False))}
     if args.autotune:
         impls["flex, max-autotune"] = flex(compiled(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs"))
     for opts in (dict(USE_TMA=True),
@@ -125,8 +126,9 @@ def main() -> int:
     for row in rows:
         print(json.dumps(row))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        from results import record
+
+        record("attention_kernels", result["device"], result, args.out)
     return 0
 
 

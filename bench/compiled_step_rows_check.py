@@ -33,7 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import PRESETS, build, loss_and_grads, relative_grad_diffs  # noqa: E402
 
-from eagle3build.ttt.core import FlexAttention, make_attention, ttt_forward  # noqa: E402
+from eagle3build.attention.factory import make_attention  # noqa: E402
+from eagle3build.attention.flex import FlexAttention  # noqa: E402
+from eagle3build.attention.kernel import KERNELS  # noqa: E402
+from eagle3build.ttt.forward import ttt_forward  # noqa: E402
 
 
 class ContiguousFlex(FlexAttention):
@@ -63,10 +66,10 @@ def main() -> int:
                     help="worst relative gradient difference allowed against the fp32 dense reference (bf16 runs)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="skip the fp32 dense-attention reference of every batch")
-    ap.add_argument("--attention", default="flex", choices=["flex", "flex-contiguous", "flash", "cudnn"],
-                    help="the causal attention's kernel (flash/cudnn: kernel_attention.py; flex-contiguous: flex "
+    ap.add_argument("--attention", default="flex", choices=["flex", "flex-contiguous", *KERNELS],
+                    help="the causal attention's kernel (flash: attention/kernel.py; flex-contiguous: flex "
                          "given contiguous copies of q, k and v)")
-    ap.add_argument("--out", help="results JSON")
+    ap.add_argument("--out", help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("compiled_step_rows_check: needs a CUDA GPU (flex attention has no CPU backward)")
@@ -130,8 +133,9 @@ def main() -> int:
     )
     print(f"dynamo: {counters}\n{'OK' if ok else 'FAILED'}: {len(checks)} batches")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from results import record
+
+        record("compiled_step_rows_check", result["device"], result, args.out)
     return 0 if ok else 1
 
 

@@ -1,6 +1,7 @@
 """Extraction throughput (HF backend) against its baselines and the disk, in one run.
 
-    python bench/extract_throughput.py --model models/SmolLM2-135M-Instruct --tokens 2000000 --out $OUT/extract.json
+    python bench/extract_throughput.py --model models/SmolLM2-135M-Instruct --tokens 2000000 \
+        --out bench/results/extract_throughput_smollm2.json
     python bench/extract_throughput.py --random-shape llama-3.2-1b --tokens 1000000
 
 Measures, on the same synthetic token shard (lengths drawn from a fixed, chat-like distribution):
@@ -17,9 +18,7 @@ The bar (issue): >= 70% of min(disk-bound, compute-bound) tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -128,11 +127,13 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2_000_000)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--baseline-seconds", type=float, default=20.0, help="time cap per baseline")
     p.add_argument("--disk-gb", type=float, default=4.0)
     p.add_argument("--work", type=Path, default=None, help="scratch folder on the disk to measure")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path,
+                   help="results file (bench/results/ format: this run replaces its device's entry)")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -173,12 +174,13 @@ def main() -> int:
 
     ex = Extractor(model_dir, aux, args.device, "bfloat16" if dtype == torch.bfloat16 else "float32")
     ex.extract_shard(str(work / "tokens.safetensors"), str(work / "warm.safetensors"), "bf16", args.batch_tokens,
-                     progress=False)  # warm-up pass (allocator, kernels)
+                     args.max_batch_size, progress=False)  # warm-up pass (allocator, kernels)
     (work / "warm.safetensors").unlink()
     for storage in ("bf16", "fp8"):
         out = work / f"ours-{storage}.safetensors"
         sync(args.device)
-        stats = ex.extract_shard(str(work / "tokens.safetensors"), str(out), storage, args.batch_tokens, progress=False)
+        stats = ex.extract_shard(str(work / "tokens.safetensors"), str(out), storage, args.batch_tokens,
+                                 args.max_batch_size, progress=False)
         rows.append({"method": f"ours {storage}", "tokens": stats["tokens"], "seconds": stats["seconds"],
                      "tokens_per_s": stats["tokens_per_s"], "bytes": out.stat().st_size,
                      "disk_bound_tokens_per_s": disk / hidden_bytes_per_token(hidden, storage)})
@@ -193,17 +195,19 @@ def main() -> int:
         naive = load_file(str(nd / f"{i}.safetensors"))["hidden"].float()
         mine = ours.sample(i)[2]
         worst = max(worst, float(((mine - naive).norm(dim=-1) / naive.norm(dim=-1).clamp_min(1e-6)).max()))
-    result = {"model": name, "hidden_size": hidden, "layers": n_layers, "aux_layer_ids": aux, "device": args.device,
-              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-              "date": datetime.now(UTC).isoformat(timespec="seconds"), "disk_bytes_per_s": disk,
+    from results import cpu_device, record
+
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_device()
+    result = {"model": name, "hidden_size": hidden, "layers": n_layers, "aux_layer_ids": aux,
+              "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "disk_bytes_per_s": disk,
               "compute_flops_per_token": flops_per_token, "rows": rows,
               "max_rel_diff_vs_naive": worst, "torch": torch.__version__}
     for r in rows:
         print(f"{r['method']:>22}: {r['tokens_per_s']:>12,.0f} tok/s", flush=True)
     print(f"max relative row difference vs naive: {worst:.2e}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        record("extract_throughput", device, result, args.out)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

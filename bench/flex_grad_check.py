@@ -2,9 +2,9 @@
 
     python3 bench/flex_grad_check.py --out $OUT/flex_grad_check.json
 
-bench/compiled_step_rows_check.py once found the compiled training step's gradients off on one GPU and
-not on another, with the same code and inputs (BENCHMARKS §2, sixteenth session). This isolates the
-causal attention: flex attention compiled as ttt.FlexAttention compiles it (doc-causal block mask,
+Should bench/compiled_step_rows_check.py find the compiled training step's gradients off on one GPU
+and not on another with the same code and inputs, this isolates the causal attention: flex attention
+compiled as attention.flex.FlexAttention compiles it (doc-causal block mask,
 GQA, the log-sum-exp returned and differentiated), fed queries and keys in the layouts the step produces
 (token-major views of [1, T, heads, hd]) or contiguous, at SmolLM2's head shape (9 query heads, 3 kv
 heads, head dim 64: the failing check's) and the Llama-8B benchmark's. Each case runs --repeats times
@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.ttt.core import FlexAttention, MathMergedAttention  # noqa: E402
+from eagle3build.attention.flex import FlexAttention  # noqa: E402
+from eagle3build.attention.kernel import relative_error  # noqa: E402
+from eagle3build.attention.merged import MathMergedAttention  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 
@@ -46,11 +48,8 @@ def one_run(attention, T, heads, kv_heads, hd, doc, layout, seed, device):
     ref_out, ref_lse = MathMergedAttention().causal(*leaves, doc, scale)  # fp32 math, kv heads repeated
     ref_grads = torch.autograd.grad((ref_out, ref_lse), leaves, (d_out.float(), d_lse))
 
-    def rel(a, b):
-        return float((a.float() - b).norm() / b.norm())
-
-    errors = dict(out=rel(out.detach(), ref_out.detach()), lse=rel(lse.detach(), ref_lse.detach()))
-    errors.update({f"d{n}": rel(a, b) for n, a, b in zip("qkv", grads, ref_grads, strict=True)})
+    errors = dict(out=relative_error(out.detach(), ref_out.detach()), lse=relative_error(lse.detach(), ref_lse.detach()))
+    errors.update({f"d{n}": relative_error(a, b) for n, a, b in zip("qkv", grads, ref_grads, strict=True)})
     return errors
 
 
@@ -60,7 +59,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--rtol", type=float, default=2e-2)
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("flex_grad_check: needs a CUDA GPU (flex attention has no CPU backward)")
@@ -94,7 +93,9 @@ def main() -> int:
     )
     print("OK" if ok else "FAILED")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        from results import record
+
+        record("flex_grad_check", result["device"], result, args.out)
     return 0 if ok else 1
 
 

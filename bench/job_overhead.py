@@ -1,8 +1,9 @@
 """Per-job overhead of extraction through the workflow: what a shard job costs beyond the extraction itself.
 
     python3 bench/job_overhead.py --random-shape smollm2-135m --tokenizer ../shared/assets/tokenizers/llama3_1 \
-        --shards 7 --shard-size 2000 --out bench/results/job_overhead_h200.json          # H200, default shard size
-    python3 bench/job_overhead.py --model ../shared/assets/models/stories260K --shards 9 --shard-size 8   # CPU
+        --shards 7 --shard-size 2000 --out bench/results/job_overhead.json               # H200, default shard size
+    python3 bench/job_overhead.py --model ../shared/assets/models/stories260K --shards 9 --shard-size 8 \
+        --out bench/results/job_overhead.json                                             # CPU
 
 A synthetic chat dataset (one user turn, one answer of log-uniform 64–2048 tokens, as in §1's extraction
 benchmark) is cut into shards and prepared by the workflow itself; then one `snakemake` run extracts every
@@ -111,7 +112,8 @@ def main() -> int:
     p.add_argument("--cores", type=int, default=2, help="Snakemake's --cores (extract jobs run one at a time)")
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (on the disk to write to)")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path,
+                   help="results file (bench/results/ format: this run replaces its device's entry)")
     args = p.parse_args()
     if args.random_shape and not args.tokenizer:
         p.error("--random-shape needs --tokenizer")
@@ -146,11 +148,12 @@ def main() -> int:
         overhead = (steady - extract_s) / args.shards
         per_shard = extract_s / args.shards
         import torch
+        from results import cpu_device, record
 
         row = {
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.node()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_device(),
             "model": name, "command": " ".join(sys.argv), "shard_size": args.shard_size, "jobs": args.shards,
             "tokens_per_shard": tokens / args.shards, "prepare_s": prepare_s, "wall_s": wall,
             "steady_state_s": steady, "extraction_s": extract_s,
@@ -160,8 +163,7 @@ def main() -> int:
         }
         print(json.dumps({k: v for k, v in row.items() if k != "jobs_stats"}, indent=1))
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(row, indent=2) + "\n")
+            record("job_overhead", row["device"], row, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -1,6 +1,9 @@
 """EAGLE-3 training-step throughput of eagle3build (TTT, k steps) at a real head shape, in one run.
 
     python bench/train_throughput.py --seq 2048 4096 --out $OUT/train_throughput.json   # on the GPU
+    ANCHOR_ONLY=sf_T4096_ttt7,spec_T4096_ttt7 bash .gpu/ptb/run.sh                     # the peers, same call
+    python bench/train_throughput.py --seq 4096 --steps 17 --variants compiled --no-check \
+        --peers $OUT/anchor_results.jsonl --out $OUT/train_throughput.json               # ours, with the ratio
     python bench/train_throughput.py --preset tiny --seq 256 --device cpu                # smoke run
 
 One step is what `eagle3build.train.loop` does per micro-batch: the target's draft-vocab distribution
@@ -24,7 +27,6 @@ import argparse
 import gzip
 import json
 import math
-import platform
 import shutil
 import subprocess
 import sys
@@ -38,21 +40,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3build.attention.factory import make_attention  # noqa: E402
 from eagle3build.attention.kernel import KERNELS, check_kernel  # noqa: E402
+from eagle3build.attention.merged import MathMergedAttention  # noqa: E402
 from eagle3build.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.draft.target import TargetHead  # noqa: E402
-from eagle3build.train.loop import LOSS_ROWS_MULTIPLE, clipped_step, compile_length_multiple  # noqa: E402
-from eagle3build.ttt.core import (  # noqa: E402
-    MathMergedAttention,
-    PackedBatch,
-    TargetScorer,
-    make_attention,
-    step_weights,
-    ttt_forward,
-    weighted_loss,
-    with_loss_rows,
-    with_step_rows,
-)
+from eagle3build.train.data import LOSS_ROWS_MULTIPLE, compile_length_multiple  # noqa: E402
+from eagle3build.train.optim import clipped_step  # noqa: E402
+from eagle3build.ttt.batch import PackedBatch, with_loss_rows, with_step_rows  # noqa: E402
+from eagle3build.ttt.forward import ttt_forward  # noqa: E402
+from eagle3build.ttt.loss import step_loss_weights, weighted_loss  # noqa: E402
+from eagle3build.ttt.scorer import TargetScorer  # noqa: E402
 
 PRESETS = {
     # Llama-3.1-8B's layer shape, draft vocab 32k (the peers' bench shape)
@@ -214,7 +212,7 @@ def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
     draft.zero_grad(set_to_none=True)
     with autocast:
         stats = ttt_forward(draft, batch, scorer.draft_probs(batch.loss_final), ttt, attention, compile=compile)
-        loss = weighted_loss(stats, stats.count, step_weights(ttt, 0.8, batch.aux.device))
+        loss = weighted_loss(stats, stats.count, step_loss_weights(ttt, 0.8, batch.aux.device))
     loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad(set_to_none=True)
@@ -297,7 +295,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         else:  # flex has no CPU backward: the same merge with a dense causal part
             attention = MathMergedAttention(compile=compile_rest)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
-        weights = step_weights(args.ttt, 0.8, device)
+        weights = step_loss_weights(args.ttt, 0.8, device)
         if args.check:
             result["check_vs_dense_sdpa"] = check_against_dense(
                 draft, scorer, batch, attention, args.ttt, compile_rest, autocast
@@ -358,6 +356,39 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
     return result
 
 
+PEER_KEYS = ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_min", "mfu", "peak_mem_timed_gib",
+             "loss_first", "loss_last", "warmup_s", "torch", "source", "speculators_version", "sliding_window",
+             "attention_backend", "compute")
+
+
+def attach_peers(results: list[dict], path: Path) -> None:
+    """Beside each of our results: the peers' results at its length and k (peer-train-bench's JSON lines of
+    the same call), and our tokens/s over the faster peer's (over the one peer's, named, if only one finished)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in results:
+        config = f"_T{r['T']}_ttt{r['ttt']}"
+        same = {p["peer"]: {k: p[k] for k in PEER_KEYS if k in p} for p in lines
+                if p.get("ok") and p.get("tag", "").endswith(config)}
+        failed = {p["tag"]: p.get("error", "failed") for p in lines
+                  if not p.get("ok") and p.get("tag", "").endswith(config)}
+        if failed:
+            r["peers_not_finished"] = failed
+        if r["ok"] and same:
+            r["peers"] = same
+            name, best = max(same.items(), key=lambda kv: kv[1]["tokens_per_s"])
+            r["ratio_vs_faster_peer" if len(same) > 1 else f"ratio_vs_{name}"] = round(
+                r["tokens_per_s"] / best["tokens_per_s"], 3)
+
+
+def save(report: dict, args) -> None:
+    """Record the run in --out (bench/results/ format), with the peers of --peers beside each result."""
+    from results import record
+
+    if args.peers:
+        attach_peers(report["results"], Path(args.peers))
+    record("train_throughput", report["device"], report, args.out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama8b", choices=list(PRESETS))
@@ -373,22 +404,28 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
     ap.add_argument("--attention", default="flex", choices=["flex", *KERNELS],
-                    help="the causal attention's kernel: flex, or torch's varlen flash/cudnn (kernel_attention.py)")
+                    help="the causal attention's kernel: flex, or torch's varlen flash (attention/kernel.py)")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the fast-vs-dense check")
     ap.add_argument("--check-seq", type=int, default=2048, help="run the check only at this length")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler table of one step per length")
-    ap.add_argument("--out", default=None, help="results JSON (its folder also gets profile tables)")
+    ap.add_argument("--profile", nargs="?", const=".", default=None, metavar="DIR",
+                    help="torch.profiler table (on the GPU also a Chrome trace) of one step per length, into DIR")
+    ap.add_argument("--peers", default=None, metavar="JSONL",
+                    help="peer-train-bench's results of the same call (its anchor_results.jsonl): the peers' "
+                    "numbers and our ratio to the faster one beside each length's result")
+    ap.add_argument("--out", default=None,
+                    help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
+    from results import cpu_device
 
     device = torch.device(args.device)
     shape = PRESETS[args.preset]
-    out_dir = Path(args.out).parent if args.out else None
+    out_dir = Path(args.profile) if args.profile else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_device(),
         preset=args.preset,
         shape=shape,
         ttt=args.ttt,
@@ -410,13 +447,12 @@ def main() -> int:
                 print(r.get("traceback", ""), file=sys.stderr, flush=True)
             report["results"].append(r)
             if args.out:  # after every config, so a run cut short still leaves its results
-                Path(args.out).write_text(json.dumps(report, indent=1))
+                save(report, args)
             torch._dynamo.reset()
             if r["ok"]:
                 break
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        save(report, args)
     ok = [r for r in report["results"] if r["ok"]]
     for r in ok:
         print(

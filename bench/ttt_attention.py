@@ -1,4 +1,4 @@
-"""TTT attention alone, per `train.attention`: flex (compiled) vs torch's varlen FlashAttention-2 and cuDNN.
+"""TTT attention alone, per `train.attention`: flex (compiled) vs torch's varlen FlashAttention-2.
 
     python3 bench/ttt_attention.py --out $OUT/ttt_attention.json
     python3 bench/ttt_attention.py --device cpu --seq 256 --impls flash   # smoke run (CPU flash)
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.attention.kernel import KERNELS, check_kernel  # noqa: E402
-from eagle3build.ttt.core import make_attention  # noqa: E402
+from eagle3build.attention.factory import make_attention  # noqa: E402
+from eagle3build.attention.kernel import KERNELS, check_kernel, relative_error  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -87,7 +87,7 @@ def timed(fn, device, warmup: int, iters: int) -> list[float]:
 
 
 def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x.float() - y.float()).norm() / y.float().norm()) for x, y in zip(a, b, strict=True))
+    return max(relative_error(x, y) for x, y in zip(a, b, strict=True))
 
 
 def main() -> int:
@@ -95,19 +95,21 @@ def main() -> int:
     ap.add_argument("--seq", type=int, nargs="+", default=[4096])
     ap.add_argument("--sample-len", type=int, default=512, help="the packed layout's sample length")
     ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--impls", default="flex,flash,cudnn")
+    ap.add_argument("--impls", default=",".join(["flex", *KERNELS]))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", help="results JSON")
+    ap.add_argument("--out", help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
+    from results import cpu_device, record
+
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     impls = args.impls.split(",")
     report = dict(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_device(),
         shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, ttt=args.ttt, dtype=str(dtype)),
         command=" ".join(sys.argv),
         kernel_checks={},
@@ -161,7 +163,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 report["results"].append(row)
                 if args.out:  # after every row, so a run cut short still leaves its results
-                    Path(args.out).write_text(json.dumps(report, indent=1))
+                    record("ttt_attention", report["device"], report, args.out)
             del qs, ks, vs, douts, baseline
     for r in report["results"]:
         if "forward_backward_ms" in r:

@@ -1,7 +1,7 @@
 """Workflow overhead: the project's dry-run at 1,000 and 10,000 shards vs a bare Snakemake workflow
 with the same number of jobs, measured side by side; and a no-op `make run` on the default config.
 
-    python bench/workflow_overhead.py --shards 1000 10000 [--repeats 2] [--out bench/results/workflow.json]
+    python bench/workflow_overhead.py --shards 1000 10000 [--repeats 2] [--out bench/results/workflow_overhead.json]
 
 The project's DAG for S shards has 4·S + 4 jobs (split, tokens, extract, vocab_count per shard; vocab,
 train, export, evaluate). Two bare workflows with as many jobs, trivial `touch` commands: "bare" is one
@@ -13,10 +13,10 @@ A synthetic dataset with one conversation per shard (shard_size 1) gives S shard
 --ablations also times copies of the project with one directive family stripped at a time (cumulative, so
 each row says what that family costs per job): each rule's `run:` block replaced by a realistic `shell:` command
 (what a port to shell would print per job), then by `shell: "true"`, then no `log:`; and, on its own, `script` —
-every rule as a `script:` job, as the project was before the twelfth session (Snakemake reads every planned
-script job's source, even in a dry-run). --job-start times an executed job as `script:`, as a spawned `run:`
-job, and as `run:` under --force-use-threads with a child process (what the rules do now). They are
-measurements, not options: the project keeps every directive.
+every rule as a `script:` job (Snakemake reads every planned script job's source, even in a dry-run).
+--job-start times an executed job as `script:`, as a spawned `run:` job, and as `run:` under
+--force-use-threads with a child process (what the rules do). They are measurements, not options: the
+project keeps every directive.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def timed(cmd: list[str], cwd: Path) -> float:
 BODY = r'run:\n\s+shell\(\s*stage_command\(\s*"(\w+)",[^)]*\)\s*\)'  # each rule's run: block
 
 
-def _script(text: str) -> str:  # not cumulative: the rules as they were before the twelfth session
+def _script(text: str) -> str:  # not cumulative: every rule as a `script:` job
     return re.sub(BODY, 'script: "../scripts/\\1.py"', text)
 
 
@@ -114,8 +114,6 @@ def _no_log(text: str) -> str:
     return re.sub(r" +log:\n +[^\n]+\n", "", _shell_true(text))
 
 
-# (A "static" ablation, per-shard input functions and params callables made static, went in the thirteenth
-# session: the rules have none since; the per-dataset split rules and tokens/tokens_regenerated replaced them.)
 ABLATIONS = {"script": _script, "shell_command": _shell_command, "shell_true": _shell_true, "no_log": _no_log}
 
 
@@ -197,7 +195,8 @@ def main() -> int:
                    help="also time the project with directives stripped (all of them, or those named)")
     p.add_argument("--no-quiet", action="store_true", help="time dry-runs as `make dry-run` runs them, without --quiet")
     p.add_argument("--job-start", action="store_true", help="also time executed jobs: script: vs run: per job")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="results file (bench/results/ format: this run replaces its device's entry)")
     args = p.parse_args()
     quiet = [] if args.no_quiet else ["--quiet"]  # --quiet drops each job's "reason:" line (jobs are printed either way)
     results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
@@ -235,8 +234,9 @@ def main() -> int:
         results["noop_make_run_s"] = min(timed(cmd, ROOT) for _ in range(args.repeats))
         print(json.dumps({"noop_make_run_s": results["noop_make_run_s"]}))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        from results import cpu_device, record
+
+        record("workflow_overhead", cpu_device(), results, args.out)
     return 0
 
 

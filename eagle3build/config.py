@@ -7,12 +7,48 @@ outside Snakemake (`doctor`, `prepare show`) call `load_config` for the same res
 from __future__ import annotations
 
 import json
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
 from eagle3build.errors import ConfigError, UserError
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+# Keys older configs may still set that no longer change anything: dropped with a warning, so such a
+# config keeps working. Dotted key -> why it is not needed.
+REMOVED_KEYS = {
+    "extract.vllm.allow_mla": (
+        "MLA targets (DeepSeek-V3, Kimi-K2/K2.5) are supported by vLLM's extract_hidden_states: a pure-MLA "
+        "target forms one KV-cache group, which the connector handles (docs/PRODUCTION.md)"
+    ),
+}
+# model_types whose vLLM decoder (deepseek_v2.py) adds a residual that does not exist before layer 0
+DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25"})
+
+
+class RemovedKeyWarning(UserWarning):
+    """A config sets a key the schema no longer has; it is ignored."""
+
+
+def drop_removed_keys(config: dict, section: str = "") -> None:
+    """Remove REMOVED_KEYS from `config` (the whole config, or the section named), warning for each.
+    Nested sections on the way are copied, not changed: a caller's own dicts stay as they were."""
+    prefix = f"{section}." if section else ""
+    for key, why in REMOVED_KEYS.items():
+        if not key.startswith(prefix):
+            continue
+        *parents, name = key[len(prefix):].split(".")
+        node = config
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                break
+            node[part] = node = dict(node[part])
+        else:
+            if name not in node:
+                continue
+            del node[name]
+            warnings.warn(f"config key '{key}' is no longer needed and is ignored: {why}. Delete it.",
+                          RemovedKeyWarning, stacklevel=3)
 
 
 def load_config(path: str | Path) -> dict:
@@ -29,7 +65,9 @@ def load_config(path: str | Path) -> dict:
 
 
 def validate_config(config: dict, validate) -> None:
-    """Validate against the schema, naming the offending key; then let Snakemake fill the defaults."""
+    """Validate against the schema, naming the offending key; then let Snakemake fill the defaults.
+    Keys an older schema had (REMOVED_KEYS) are dropped from `config` with a warning first."""
+    drop_removed_keys(config)
     _check(_schema(), config, "")
     validate(config, str(SCHEMA))
 
@@ -71,6 +109,7 @@ def resolve_section(section: str, given: dict | None) -> dict:
     """A section as a stage uses it: the keys given (a rule's params, an API call's arguments) checked
     against the schema, over the schema's defaults. An unknown key or a bad value names its config key."""
     given = dict(given or {})
+    drop_removed_keys(given, section)
     schema = section_schema(section)
     known = schema.get("properties", {})
     unknown = sorted(set(given) - set(known))
@@ -114,14 +153,58 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def resolve_aux_layer_ids(target: dict, configured: list[int] | None) -> list[int]:
-    return check_aux_layer_ids(configured, int(target_text_config(target)["num_hidden_layers"]))
+def resolve_aux_layer_ids(target: dict, configured: list[int] | None, vllm: str | None = None) -> list[int]:
+    """The aux ids for the target (`check_aux_layer_ids`); `vllm`: see `vllm_serves_target`."""
+    full = _target_config(str(target["path"]), target.get("revision"), bool(target.get("trust_remote_code")))
+    n = int((full.get("text_config") or full)["num_hidden_layers"])
+    return check_aux_layer_ids(configured, n, vllm, deepseek_family(full) if vllm else None)
 
 
-def check_aux_layer_ids(configured: list[int] | None, n: int) -> list[int]:
-    """Three ids low to high in [0, N); repeats are allowed (tiny targets, single-stream ablations)."""
-    ids = list(configured) if configured else default_aux_layer_ids(n)
+def vllm_serves_target(config: dict) -> str | None:
+    """The setting that makes vLLM run the target with aux-state capture ("extract.backend: vllm",
+    "evaluate.backend: vllm"), or None: what `check_aux_layer_ids` checks beyond the HF rules."""
+    for section in ("extract", "evaluate"):
+        if (config.get(section) or {}).get("backend") == "vllm":
+            return f"{section}.backend: vllm"
+    return None
+
+
+def deepseek_family(config: dict) -> str | None:
+    """Why a target's config.json makes vLLM run it with its DeepSeek decoder (or None)."""
+    for cfg in (config, config.get("text_config") or {}):
+        if cfg.get("model_type") in DEEPSEEK_MODEL_TYPES:
+            return f"model_type {cfg['model_type']}"
+        for arch in cfg.get("architectures") or []:
+            if "Deepseek" in arch or "Kimi" in arch:
+                return f"architecture {arch}"
+    return None
+
+
+def check_aux_layer_ids(configured: list[int] | None, n: int, vllm: str | None = None,
+                        family: str | None = None) -> list[int]:
+    """Three ids low to high in [0, N). The HF backend allows repeats (tiny targets, single-stream
+    ablations). When vLLM captures them (`vllm`: the setting that makes it, e.g. "extract.backend: vllm"),
+    ids must be distinct (vLLM returns one state per distinct layer: the engine crashes on the first request
+    in 0.25/0.26, 0.34 refuses to start) and, on a DeepSeek-family target (`family`: why it is one), not 0
+    (its decoder adds a residual that is None before layer 0: the engine crashes)."""
+    default = default_aux_layer_ids(n)
+    ids = list(configured) if configured else default
     if len(ids) != 3 or sorted(ids) != ids or not all(0 <= i < n for i in ids):
         raise ConfigError("extract.aux_layer_ids", f"{ids} must be three layer ids, low to high, in [0, {n - 1}] "
-                          f"for this {n}-layer target (default {default_aux_layer_ids(n)})")
+                          f"for this {n}-layer target (default {default})")
+    given = "" if configured else f" (the default (2, N//2, N-3) for N = {n})"
+    if vllm and len(set(ids)) != len(ids):
+        raise ConfigError(
+            "extract.aux_layer_ids",
+            f"{ids}{given} repeats a layer, which vLLM cannot capture ({vllm}): it returns one state per distinct "
+            f"layer and the engine crashes on the first request; set three distinct ids in [1, {n - 1}], "
+            "or use the hf backend",
+        )
+    if vllm and family and ids[0] == 0:
+        raise ConfigError(
+            "extract.aux_layer_ids",
+            f"{ids}{given} captures layer 0, which vLLM's DeepSeek decoder cannot ({family}, {vllm}): it adds a "
+            f"residual that does not exist before layer 0 and the engine crashes on the first request; use ids "
+            f">= 1 (e.g. the default {default}), or the hf backend",
+        )
     return ids

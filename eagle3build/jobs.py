@@ -7,10 +7,10 @@ the models never load into Snakemake's own process). `shell()` makes it a job of
 command: logged, killed with the run, run inside the job's container under `--sdm apptainer`; config strings
 reach the script through the file, never through the shell.
 
-Why not `script:`: Snakemake reads the source of every planned `script:` job even in a dry-run, which made
-`make dry-run` 1.4–1.5× a bare workflow with as many jobs; a `run:` block is not read until it runs
-(BENCHMARKS.md §4). The profiles set `force-use-threads`, so a `run:` block runs in a thread of Snakemake's
-process instead of a new Snakemake process per job (2.4 s per job otherwise; 0.17 s this way).
+Why not `script:`: Snakemake reads the source of every planned `script:` job even in a dry-run, so a
+dry-run's time grows with the jobs it plans; a `run:` block is not read until it runs (BENCHMARKS.md
+measures the dry-run). The profiles set `force-use-threads`, so a `run:` block runs in a thread of
+Snakemake's process instead of starting a new Snakemake process per job.
 """
 
 from __future__ import annotations

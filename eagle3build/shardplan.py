@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -37,3 +38,9 @@ def record_count(path: str, fmt: str, split: str | None, cache_dir: str) -> int:
             os.makedirs(cache_dir, exist_ok=True)
             write_json_atomic(cache_file, cache, indent=None)
     return int(cache[key])
+
+
+def plan_shards(count: int, shard_size: int, max_samples: int | None) -> int:
+    """Split shards for a source of `count` records: ceil(min(count, max_samples) / shard_size), and at
+    least one, so a source without records still has an (empty) shard for every stage to run on."""
+    return max(1, math.ceil((count if max_samples is None else min(count, max_samples)) / shard_size))

@@ -13,6 +13,7 @@ import os
 import queue
 import struct
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,23 +131,62 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) ->
     return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
 
 
+class HiddenShardReader:
+    """One hidden shard, read lazily: its tensors stay memory-mapped, and the rows a caller asks for
+    are read (and dequantized) then. Threads may share a reader (the trainer's prefetch thread and its
+    validation both read). A file that fails to read is named as a corrupted shard."""
+
+    def __init__(self, path, device="cpu"):
+        self.path = str(path)
+        self.meta = read_meta(path)
+        _check_format(path, self.meta, HIDDEN_FORMAT)
+        self._device = str(device)
+        self._file = None
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def _reading(self):
+        with self._lock:
+            try:
+                if self._file is None:
+                    self._file = safe_open(self.path, framework="pt", device=self._device)
+                yield self._file
+            except UserError:
+                raise
+            except Exception as e:
+                raise UserError(
+                    f"{self.path}: corrupted hidden-state shard ({e}); delete it and rerun to rebuild it"
+                ) from e
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 [S+1], checked to end at the shard's last row."""
+        with self._reading() as f:
+            cu, rows = f.get_tensor("cu_seqlens"), int(f.get_slice("hidden").get_shape()[0])
+            if int(cu[-1]) != rows:
+                raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but hidden has {rows} rows")
+            return cu
+
+    def loss_mask(self) -> torch.Tensor:
+        """uint8 [N], every token of the shard."""
+        with self._reading() as f:
+            return f.get_tensor("loss_mask")
+
+    def rows(self, start: int = 0, end: int | None = None, dtype: torch.dtype = torch.float32):
+        """Tokens [start, end): (input_ids int32 [n], loss_mask uint8 [n], hidden [n, 4, H] in `dtype`)."""
+        with self._reading() as f:
+            input_ids = f.get_slice("input_ids")[start:end]
+            loss_mask = f.get_slice("loss_mask")[start:end]
+            hidden = f.get_slice("hidden")[start:end]
+            if hidden.dtype == torch.float8_e4m3fn:
+                hidden = dequantize_fp8(hidden, f.get_slice("hidden_scale")[start:end], dtype)
+            return input_ids, loss_mask, hidden.to(dtype)
+
+
 def read_hidden(path, dtype: torch.dtype = torch.float32, device="cpu") -> HiddenShard:
-    meta = read_meta(path)
-    _check_format(path, meta, HIDDEN_FORMAT)
-    try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            names = set(f.keys())
-            hidden = f.get_tensor("hidden")
-            if "hidden_scale" in names:
-                hidden = dequantize_fp8(hidden, f.get_tensor("hidden_scale"), dtype)
-            else:
-                hidden = hidden.to(dtype)
-            return HiddenShard(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("cu_seqlens"),
-                               meta, hidden=hidden)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"{path}: corrupted hidden-state shard ({e}); delete it and rerun to rebuild it") from e
+    """A whole hidden shard in memory, its states dequantized to `dtype`."""
+    shard = HiddenShardReader(path, device)
+    input_ids, loss_mask, hidden = shard.rows(dtype=dtype)
+    return HiddenShard(input_ids, loss_mask, shard.cu_seqlens(), shard.meta, hidden=hidden)
 
 
 class HiddenShardWriter:

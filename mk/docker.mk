@@ -7,16 +7,23 @@
 #   make docker-dry-run [CONFIG=...]      make dry-run inside the image
 #   make lint-docker                      hadolint Dockerfile
 #
-# EAGLE3_IMAGE (= $(VLLM_IMAGE):$(VLLM_TAG)@$(VLLM_DIGEST)) names the engine the hidden states come
-# from. The image exports it (Dockerfile ENV, from the same build args); the workflow reads it
-# (extract.image overrides it) and passes it as a param of the vLLM-dependent rules, so a new vLLM
-# image re-extracts. It is not exported to host runs: those do not run in the image.
+# The engine image is pinned in ONE place, docker/base-image (repository:tag@digest): make splits it into
+# VLLM_IMAGE, VLLM_TAG and VLLM_DIGEST (each may be overridden, e.g. to try another image) and passes them
+# to the Dockerfile as build args; the workflow reads the same file for its `container:` directive.
+#
+# EAGLE3_IMAGE names the engine the hidden states come from: the image exports it (Dockerfile ENV, from
+# the same build args); the workflow reads it (extract.image overrides it) and passes it as a param of the
+# vLLM-dependent rules, so a new vLLM image re-extracts. make never sets it: a value of the user's (shell
+# or make command line) reaches host runs as given and docker-run passes it into the container
+# (`-e EAGLE3_IMAGE`); unset, host runs see none and the container keeps the image's own.
 
 DOCKER ?= docker
-VLLM_IMAGE ?= vllm/vllm-openai
-VLLM_TAG ?= v0.25.0
-VLLM_DIGEST ?= sha256:fc56161ee42a011aeee78b65d0a81b6683c7d04402fd40503d14d4d6c98f07cb
-EAGLE3_IMAGE := $(VLLM_IMAGE):$(VLLM_TAG)@$(VLLM_DIGEST)
+VLLM_BASE_IMAGE := $(strip $(shell cat $(dir $(lastword $(MAKEFILE_LIST)))../docker/base-image))
+VLLM_BASE_REF := $(firstword $(subst @, ,$(VLLM_BASE_IMAGE)))
+VLLM_BASE_TAG := $(lastword $(subst :, ,$(VLLM_BASE_REF)))
+VLLM_IMAGE ?= $(patsubst %:$(VLLM_BASE_TAG),%,$(VLLM_BASE_REF))
+VLLM_TAG ?= $(VLLM_BASE_TAG)
+VLLM_DIGEST ?= $(lastword $(subst @, ,$(VLLM_BASE_IMAGE)))
 
 DOCKER_PROJECT_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml 2>/dev/null)
 IMAGE ?= eagle3build
@@ -27,8 +34,9 @@ HF_CACHE ?= $(HOME)/.cache/huggingface
 DOCKER_CACHE ?= $(HOME)/.cache/eagle3build
 # Host variables handed to the container when they are set (a bare `-e NAME` copies the host's value).
 DOCKER_ENV ?= HF_TOKEN HUGGING_FACE_HUB_TOKEN CUDA_VISIBLE_DEVICES
-# plus every NCCL_* / TORCH_NCCL_* / VLLM_* / TORCHINDUCTOR_* variable set in the environment or on the make command line.
-DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,$(filter NCCL_% TORCH_NCCL_% VLLM_% TORCHINDUCTOR_%,$(.VARIABLES)),\
+# plus EAGLE3_IMAGE and every NCCL_* / TORCH_NCCL_* / VLLM_* / TORCHINDUCTOR_* variable set in the environment
+# or on the make command line.
+DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,EAGLE3_IMAGE $(filter NCCL_% TORCH_NCCL_% VLLM_% TORCHINDUCTOR_%,$(.VARIABLES)),\
 	$(if $(filter environment% command%,$(origin $(v))),$(v))))
 DOCKER_RUN_ARGS ?=
 

@@ -1,5 +1,5 @@
 # Config validation, resolved values and small helpers shared by every rule.
-import math
+import copy
 import os
 import re
 import sys
@@ -14,10 +14,14 @@ from eagle3build.config import (
     resolve_aux_layer_ids,
     target_text_config,
     validate_config,
+    vllm_serves_target,
 )
 from eagle3build.errors import ConfigError
-from eagle3build.shardplan import record_count
+from eagle3build.shardplan import plan_shards, record_count
 
+# The config as given, before the schema fills in its defaults: a rule whose params are a section the
+# schema defaults key by key passes the keys given, so a default added to the schema reruns nothing.
+GIVEN_CONFIG = copy.deepcopy(config)
 validate_config(config, validate)
 
 OUT = config["output_root"].rstrip("/")
@@ -34,7 +38,10 @@ TARGET = {
 }
 TARGET_CFG = target_text_config(TARGET)
 VOCAB_SIZE = int(TARGET_CFG["vocab_size"])
-AUX_LAYER_IDS = resolve_aux_layer_ids(TARGET, config["extract"]["aux_layer_ids"])
+# Checked for the engine that captures them (vLLM: distinct ids, no 0 on DeepSeek-family targets).
+AUX_LAYER_IDS = resolve_aux_layer_ids(
+    TARGET, config["extract"]["aux_layer_ids"], vllm_serves_target(config)
+)
 # Image tag@digest: a new image re-extracts (snakemake only hashes containers under --sdm apptainer).
 IMAGE = config["extract"]["image"] or os.environ.get("EAGLE3_IMAGE", "")
 
@@ -42,9 +49,7 @@ IMAGE = config["extract"]["image"] or os.environ.get("EAGLE3_IMAGE", "")
 # ---- datasets and their shards (counts are known when the DAG is built: the dry-run shows every job)
 def _shard_count(ds):
     n = record_count(ds["path"], ds["format"], ds["split"], cache_dir=f"{OUT}/.cache")
-    if ds["max_samples"]:
-        n = min(n, ds["max_samples"])
-    return max(1, math.ceil(n / config["prepare"]["shard_size"]))
+    return plan_shards(n, config["prepare"]["shard_size"], ds["max_samples"])
 
 
 REGEN_SAMPLING_KEYS = (
@@ -145,11 +150,18 @@ def stop_extraction_servers():
 def preflight():
     """Before jobs run (not on dry-runs): fail in seconds when the pieces do not fit."""
     from eagle3build.doctor import preflight as check
-    from eagle3build.extraction.job import forget_devices
+    from eagle3build.extraction.devices import forget_devices
+    from eagle3build.extraction.job import write_shard_plan
 
     check(config, "extract", echo=print)
-    # Shard jobs look up the GPUs once per run (eagle3build/extract.py): this run looks again.
+    # Shard jobs look up the GPUs once per run (eagle3build/extraction/devices.py): this run looks again.
     forget_devices(RUN_DIR)
+    # The extract jobs' disk check counts every hidden shard of the run not written yet.
+    write_shard_plan(
+        RUN_DIR,
+        shard_paths("tokens", "safetensors"),
+        shard_paths("hidden", "safetensors"),
+    )
 
 
 def target_weight_files():
@@ -160,5 +172,15 @@ def target_weight_files():
     )
 
 
-# Keep in step with the Dockerfile's pinned base (make docker-build); EAGLE3_IMAGE overrides.
-CONTAINER_IMAGE = IMAGE or "docker://vllm/vllm-openai:latest"
+# The engine image pinned in docker/base-image (the Dockerfile's base, passed by make docker-build):
+# with --sdm apptainer Snakemake runs the jobs in it; EAGLE3_IMAGE or extract.image replace it.
+# Only the container gets the pin: the extract rule's `image` param stays empty on a host run.
+BASE_IMAGE = Path(workflow.basedir, "docker", "base-image").read_text().strip()
+
+
+def container_url(image):
+    """A docker reference as the URL Apptainer pulls (without a scheme it would be a local file)."""
+    return image if "://" in image else f"docker://{image}"
+
+
+CONTAINER_IMAGE = container_url(IMAGE or BASE_IMAGE)

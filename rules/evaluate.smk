@@ -1,4 +1,24 @@
 # evaluate: chain speculative decoding with the target and the exported draft; acceptance length.
+# evaluate.backend picks the decoder: hf (the HF target's loop, eagle3build/evaluate/hf.py) or vllm (the
+# target served by vLLM with the draft, eagle3build/evaluate/vllm.py). The hf backend's params are what they
+# always were; the vllm backend adds its own. Server sizes, timeouts and the environment change no result:
+# the script reads them from config.
+EVAL_VLLM = config["evaluate"]["backend"] == "vllm"
+EVAL_SERVER = config["evaluate"]["vllm"]
+
+
+def evaluate_settings():
+    settings = {
+        k: config["evaluate"][k]
+        for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
+    }
+    if EVAL_VLLM:
+        settings["backend"] = "vllm"
+        settings["vllm"] = {
+            k: EVAL_SERVER[k]
+            for k in ("num_speculative_tokens", "baseline", "concurrency")
+        }
+    return settings
 
 
 rule evaluate:
@@ -17,14 +37,15 @@ rule evaluate:
     log:
         f"{OUT}/logs/evaluate/{{evalset}}.log",
     resources:
-        gpu=1,
+        gpu=(
+            EVAL_SERVER["tensor_parallel_size"] * EVAL_SERVER["data_parallel_size"]
+            if EVAL_VLLM
+            else 1
+        ),
     params:
         target=TARGET,
         eval_set=lambda wc: EVAL_SETS[wc.evalset],
-        settings={
-            k: config["evaluate"][k]
-            for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
-        },
+        settings=evaluate_settings(),
         version=FORMAT_VERSIONS["evaluate"],
     run:
         shell(

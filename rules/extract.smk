@@ -1,7 +1,9 @@
 # extract: one job per shard stores the target's aux + final hidden states.
 # Only what changes the stored bytes is a param (model, revision, layers, dtypes, backend, image,
 # format version); batch sizes, devices and server settings are read from config by the script
-# because changing them must not redo hours of extraction.
+# because changing them must not redo hours of extraction. The run's list of token and hidden shards, for
+# the disk check, reaches the jobs through the run dir (written by `preflight` in rules/common.smk), not as
+# a param: it changes with every dataset added, which must not redo the extraction of the others.
 
 
 rule extract:

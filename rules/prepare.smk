@@ -1,7 +1,7 @@
 # split: one rule per dataset (split_<i>, i its place in `datasets`), one job per shard: it normalizes its
 # range of the dataset into JSONL (pattern outputs keep the DAG linear in the number of shards; JSONL lines
 # before the range are skipped unparsed). A rule per dataset hands each job its dataset's file and settings
-# as plain values; per-shard input functions cost every job of a 10,000-shard dry-run (BENCHMARKS.md §4).
+# as plain values; per-shard input functions cost every job of a 10,000-shard dry-run (BENCHMARKS.md).
 # tokens: one job per shard applies the chat template and builds the assistant-only loss mask.
 
 for _ds in DATASETS.values():
@@ -58,7 +58,7 @@ rule tokens:
 
 # A dataset that regenerates is tokenized from the target's answers: the same rule, reading regen/.
 # The two are told apart by dataset name (wildcard constraints, matched once per file) rather than by an
-# input function that every tokens job would call (BENCHMARKS.md §4).
+# input function that every tokens job would call (BENCHMARKS.md).
 use rule tokens as tokens_regenerated with:
     input:
         conversations=f"{OUT}/regen/{{ds}}/{{shard}}.jsonl",

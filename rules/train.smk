@@ -1,5 +1,6 @@
 # train: the draft head with training-time test (resumes from train/state after a crash).
 # export: the checkpoint vLLM and SGLang load.
+from eagle3build.train.warm_start import head_files
 
 
 rule train:
@@ -7,6 +8,8 @@ rule train:
         hidden=shard_paths("hidden", "safetensors"),
         mapping=f"{OUT}/vocab/mapping.safetensors",
         target_weights=target_weight_files(),
+        # train.init_from: the head's files, so a changed head retrains (none when unset)
+        init_from=head_files(config["train"]["init_from"]),
     output:
         weights=f"{OUT}/train/draft.safetensors",
         summary=f"{OUT}/train/summary.json",
@@ -16,7 +19,7 @@ rule train:
     resources:
         gpu=max(1, config["train"]["gpus"]),
     params:
-        train=config["train"],
+        train={**GIVEN_CONFIG.get("train", {}), "gpus": config["train"]["gpus"]},
         target={k: TARGET[k] for k in ("path", "revision")},
         state_dir=f"{OUT}/train/state",
         version=FORMAT_VERSIONS["train"],

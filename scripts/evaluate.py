@@ -8,10 +8,21 @@ from eagle3build.jobs import run_job  # noqa: E402
 
 
 def evaluate(job):
-    from eagle3build.evaluate.hf import evaluate as run_eval
+    # The device is a runtime knob from config, not a param: changing it reruns nothing.
+    settings = {**job.params.settings, "device": job.config["evaluate"]["device"]}
+    args = (os.path.dirname(job.input.draft), dict(job.params.target), [dict(job.params.eval_set)],
+            job.output.metrics, job.output.plot)
+    if settings.get("backend", "hf") == "vllm":
+        from eagle3build.evaluate.vllm import evaluate as run_vllm
 
-    run_eval(os.path.dirname(job.input.draft), dict(job.params.target), [dict(job.params.eval_set)], job.output.metrics,
-             job.output.plot, dict(job.params.settings))
+        # So are the server's sizes, timeouts and environment (rules/evaluate.smk); its logs go beside the
+        # job's log.
+        settings["vllm"] = {**job.config["evaluate"]["vllm"], **settings["vllm"]}
+        run_vllm(*args, settings, log_stem=os.path.splitext(job.log[0])[0])
+    else:
+        from eagle3build.evaluate.hf import evaluate as run_eval
+
+        run_eval(*args, settings)
 
 
 run_job(evaluate)  # the job a rule's run: block handed over (eagle3build/jobs.py)

@@ -14,17 +14,16 @@ def extract(job):
     runtime = dict(job.config["extract"])
     params = {**runtime, "backend": p.backend, "storage_dtype": p.storage_dtype,
               "aux_layer_ids": list(p.aux_layer_ids), "image": p.image}
-    out_root = os.path.dirname(os.path.dirname(os.path.dirname(job.output.hidden)))
     if p.backend == "vllm":
         from eagle3build.extraction.vllm import extract_shard_vllm
 
+        # The server's context is sized to the longest sample (prepare.max_length + 1), not the model's.
+        params["max_length"] = job.config["prepare"]["max_length"]
         extract_shard_vllm(job.input.tokens, job.output.hidden, {**params, "target": dict(p.target)}, p.run_dir)
         return
-    from eagle3build.extraction.job import extract_shard, pending_token_shards
+    from eagle3build.extraction.job import extract_shard
 
-    stats = extract_shard(job.input.tokens, job.output.hidden, dict(p.target), params, p.run_dir,
-                          pending_tokens=pending_token_shards(out_root, job.input.tokens))
-    print(stats)
+    print(extract_shard(job.input.tokens, job.output.hidden, dict(p.target), params, p.run_dir))
 
 
 run_job(extract)  # the job a rule's run: block handed over (eagle3build/jobs.py)

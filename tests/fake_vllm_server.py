@@ -8,13 +8,22 @@ GET /health; POST /v1/completions with prompt token ids and max_tokens=1, answer
 background thread while `<file>.lock` is held with LOCK_EX, like the real connector.
 Hidden states are a deterministic function of the token ids (`expected_hidden`).
 
+Like the real engine it runs at most FAKE_VLLM_MAX_RUNNING requests at once; the others wait in a queue.
+A client that disconnects makes vLLM abort its request; in vLLM < 0.33 aborting a request that is still
+queued crashes the engine (the hidden-states connector's KeyError), and so does the fake: it exits, and
+every client of the server loses it. In 0.33 and later the queued request is just dropped.
+It refuses `--no-enable-chunked-prefill` (vLLM itself only warns that outputs may be wrong).
+
 Behaviour switches (environment, read at startup):
   FAKE_VLLM_HIDDEN_SIZE   H (default 16)
+  FAKE_VLLM_VERSION       the vLLM version it plays (default 0.25.0, the pinned image's)
+  FAKE_VLLM_MAX_RUNNING   requests the engine runs at once (default 64)
   FAKE_VLLM_STARTUP       "crash" (exit 1 after an error message) or "delay:S" (S seconds before listening)
   FAKE_VLLM_IGNORE_SIGTERM=1  ignore SIGTERM (the manager must fall back to SIGKILL)
   FAKE_VLLM_CONTROL       a JSON file {"fault": KIND, "remaining": N} read on every completion: the
                           next N completions get the fault (N = -1: all). KIND: http500, corrupt,
-                          wrong_ids, nan, bad_shape, no_params, outside_path, hang.
+                          wrong_ids, nan, bad_shape, no_params, outside_path, hang, slow:S (runs S
+                          seconds, holding its place in the engine).
 It also starts one "worker" child in its process group (like vLLM's engine core) and logs its pid.
 """
 
@@ -24,7 +33,9 @@ import argparse
 import fcntl
 import json
 import os
+import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -95,6 +106,37 @@ class _Faults:
             return ctl["fault"]
 
 
+def _client_gone(sock: socket.socket) -> bool:
+    """A client waiting for its answer sends nothing: a readable socket means it closed (or reset) it."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+class _Engine:
+    """The scheduler's view: a bounded number of running requests and a queue for the rest."""
+
+    def __init__(self, max_running: int, version: str, worker: subprocess.Popen):
+        self.slots = threading.Semaphore(max_running)
+        self.version = version
+        self.crashes_on_queued_abort = tuple(int(x) for x in version.split(".")[:2]) < (0, 33)
+        self.worker = worker
+
+    def admit(self, sock: socket.socket, req_id: str) -> bool:
+        """Wait for a running slot; False when the client left while the request was queued (aborted)."""
+        while not self.slots.acquire(timeout=0.02):
+            if _client_gone(sock):
+                if self.crashes_on_queued_abort:
+                    print(f"ERROR EngineCore encountered a fatal error (fake vLLM {self.version}): request "
+                          f"{req_id} aborted while waiting\nKeyError: '{req_id}'", flush=True)
+                    self.worker.kill()
+                    os._exit(1)
+                return False
+        return True
+
+
 def _write_connector_file(path: str, lock_fd: int, tensors: dict, delay_s: float) -> None:
     try:
         time.sleep(delay_s)  # the client must wait on the lock, not see a half-written file
@@ -103,7 +145,7 @@ def _write_connector_file(path: str, lock_fd: int, tensors: dict, delay_s: float
         os.close(lock_fd)  # releases LOCK_EX
 
 
-def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, faults: _Faults):
+def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, faults: _Faults, engine: _Engine):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -146,6 +188,17 @@ def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, fa
                 return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": None})
 
             req_id = f"cmpl-{uuid.uuid4().hex}"
+            if not engine.admit(self.connection, req_id):
+                self.close_connection = True
+                return
+            try:
+                if fault and fault.startswith("slow:"):
+                    time.sleep(float(fault.split(":", 1)[1]))
+                self._complete(req_id, prompt, fault)
+            finally:
+                engine.slots.release()
+
+        def _complete(self, req_id: str, prompt: list[int], fault: str | None) -> None:
             folder = storage.parent if fault == "outside_path" else storage
             path = str(folder / f"{req_id}.safetensors")
             ids = np.asarray(prompt, dtype=np.int64)
@@ -191,6 +244,7 @@ def main() -> int:
     parser.add_argument("--speculative-config", required=True)
     parser.add_argument("--kv-transfer-config", required=True)
     parser.add_argument("--no-enable-chunked-prefill", action="store_true")
+    parser.add_argument("--enable-chunked-prefill", action="store_true")
     args, rest = parser.parse_known_args(sys.argv[2:])
     print(f"fake vllm serve: starting pid {os.getpid()} model {args.model} extra {rest}", flush=True)
 
@@ -201,8 +255,9 @@ def main() -> int:
     ):
         print("error: needs the extract_hidden_states method and ExampleHiddenStatesConnector", flush=True)
         return 2
-    if not args.no_enable_chunked_prefill:
-        print("error: chunked prefill must be off", flush=True)
+    if args.no_enable_chunked_prefill:
+        print("error: --no-enable-chunked-prefill: vLLM warns it may crash or give incorrect outputs, sizes "
+              "the step to max_model_len and asserts on hybrid targets; extraction keeps it on", flush=True)
         return 2
     layer_ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
     storage = Path(kv["kv_connector_extra_config"]["shared_storage_path"])
@@ -219,9 +274,12 @@ def main() -> int:
 
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     print(f"fake vllm serve: worker pid {worker.pid}", flush=True)
+    version = os.environ.get("FAKE_VLLM_VERSION", "0.25.0")
+    print(f"fake vllm serve: vLLM API server version {version}", flush=True)
+    engine = _Engine(int(os.environ.get("FAKE_VLLM_MAX_RUNNING", "64")), version, worker)
     storage.mkdir(parents=True, exist_ok=True)
     handler = make_handler(
-        args, layer_ids, hidden_size, storage, _Faults(os.environ.get("FAKE_VLLM_CONTROL"))
+        args, layer_ids, hidden_size, storage, _Faults(os.environ.get("FAKE_VLLM_CONTROL")), engine
     )
     server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True

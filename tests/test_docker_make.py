@@ -97,8 +97,10 @@ def test_build_pins_the_vllm_image_by_tag_and_digest_and_matches_the_dockerfile(
     args = vllm_args()
     assert args["VLLM_IMAGE"] == "vllm/vllm-openai" and DIGEST.match(args["VLLM_DIGEST"])
     dockerfile = (REPO / "Dockerfile").read_text()
-    for key, value in args.items():  # the Dockerfile's defaults are the same pin
-        assert f"ARG {key}={value}" in dockerfile
+    pin = (REPO / "docker" / "base-image").read_text().strip()  # the one home of the pin
+    assert f"{args['VLLM_IMAGE']}:{args['VLLM_TAG']}@{args['VLLM_DIGEST']}" == pin
+    for key in args:  # the Dockerfile takes the pin from make only: no second copy as ARG defaults
+        assert re.search(rf"^ARG {key}$", dockerfile, re.M) and f"ARG {key}=" not in dockerfile
     assert "FROM ${VLLM_IMAGE}:${VLLM_TAG}@${VLLM_DIGEST}" in dockerfile
     assert 'EAGLE3_IMAGE="${VLLM_IMAGE}:${VLLM_TAG}@${VLLM_DIGEST}"' in dockerfile
     cmd = docker_command("docker-build", "IMAGE=registry.local/e3", "IMAGE_TAG=t1")

@@ -126,7 +126,7 @@ def test_vllm_features_are_detected_by_their_public_names(tmp_path, monkeypatch,
     monkeypatch.setenv("PATH", f"{tmp_path / 'site' / 'bin'}:/usr/bin:/bin")
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)
-    ctx = doctor._Context(make_config(tmp_path, "unused", extract={"backend": "vllm"}))
+    ctx = doctor.Context(make_config(tmp_path, "unused", extract={"backend": "vllm"}))
     try:
         check = doctor.check_vllm(ctx)
     finally:
@@ -138,14 +138,28 @@ def test_vllm_features_are_detected_by_their_public_names(tmp_path, monkeypatch,
         assert check.status == "ok", check
 
 
-def test_mla_target_under_vllm_names_the_fallback(tmp_path):
+def test_mla_target_under_vllm_is_supported_and_says_what_was_checked(tmp_path):
     model = model_dir(tmp_path, KIMI_K25)
-    ctx = doctor._Context(make_config(tmp_path, model, extract={"backend": "vllm"}))
+    ctx = doctor.Context(make_config(tmp_path, model, extract={"backend": "vllm"}))
     assert doctor.check_target_config(ctx).status == "ok"
     check = doctor.check_architecture(ctx)
-    assert check.status == "fail" and "model_type kimi_k25" in check.detail
-    assert "extract.backend: hf" in check.fix and "extract.vllm.allow_mla" in check.fix
-    ctx = doctor._Context(make_config(tmp_path, model, extract={"backend": "hf"}))
+    assert check.status == "ok" and "MLA target (kv_lora_rank 512)" in check.detail
+    assert "one KV-cache group" in check.detail and "DeepSeek-V3" in check.detail
+    # The memory plan counts the connector's cache on every GPU: n_ids x H x 2 bytes, not split by TP.
+    length = doctor.check_max_len(ctx)
+    assert "--max-model-len 2049" in length.detail  # prepare.max_length + 1, not Kimi's 262,144
+    assert "KV cache 70.3 kB + hidden-state cache 57.3 kB" in length.detail  # (512 + 64) x 61 x 2; 4 x 7168 x 2
+    assert "not split by tensor parallel" in length.detail
+    # vLLM's DeepSeek decoder cannot capture layer 0, and no engine returns a repeated layer twice.
+    for aux, expected in (([0, 30, 58], "captures layer 0"), ([2, 30, 30], "repeats a layer")):
+        ctx = doctor.Context(make_config(tmp_path, model, extract={"backend": "vllm", "aux_layer_ids": aux}))
+        doctor.check_target_config(ctx)
+        check = doctor.check_layers(ctx)
+        assert check.status == "fail" and expected in check.detail and "extract.aux_layer_ids" in check.detail
+    ctx = doctor.Context(make_config(tmp_path, model, extract={"backend": "hf", "aux_layer_ids": [0, 30, 30]}))
+    doctor.check_target_config(ctx)
+    assert doctor.check_layers(ctx).status == "ok"  # the HF backend captures both
+    ctx = doctor.Context(make_config(tmp_path, model, extract={"backend": "hf"}))
     doctor.check_target_config(ctx)
     assert doctor.check_architecture(ctx).status == "ok"
     # The text config of a multimodal target gives the layers: Kimi's default aux ids.
@@ -172,12 +186,12 @@ def test_trusted_hub_model_needs_a_pinned_commit(tmp_path, revision):
     cfg = make_config(
         tmp_path, "someorg/some-model", target={"trust_remote_code": True, "revision": revision}
     )
-    ctx = doctor._Context(cfg)
+    ctx = doctor.Context(cfg)
     check = doctor.check_trust_policy(ctx)
     assert check.status == "fail" and "target.revision" in check.detail and "commit" in check.fix
     assert doctor.check_tokenizer(ctx).status == "skip"  # unpinned remote code is never run
     cfg["target"]["revision"] = "0123456789abcdef0123456789abcdef01234567"
-    assert doctor.check_trust_policy(doctor._Context(cfg)).status == "ok"
+    assert doctor.check_trust_policy(doctor.Context(cfg)).status == "ok"
 
 
 def test_real_qwen3_tokenizer_ids_must_fit_the_model_vocab(tmp_path):
@@ -204,7 +218,7 @@ def test_draft_vocab_must_be_smaller_than_the_target_vocab(tmp_path, draft, frag
 
 @pytest.mark.parametrize("ids", [[2, 16, 32], [16, 2, 29], [-1, 16, 29], [2, 16]])
 def test_layer_ids_out_of_range_name_the_key(tmp_path, ids):
-    ctx = doctor._Context(make_config(tmp_path, "unused", extract={"aux_layer_ids": ids}))
+    ctx = doctor.Context(make_config(tmp_path, "unused", extract={"aux_layer_ids": ids}))
     ctx.target_config = LLAMA31_8B
     check = doctor.check_layers(ctx)
     assert check.status == "fail" and "extract.aux_layer_ids" in check.detail and "[0, 31]" in check.detail
@@ -212,13 +226,13 @@ def test_layer_ids_out_of_range_name_the_key(tmp_path, ids):
 
 def test_repeated_layer_ids_are_allowed(tmp_path):
     """A tiny target's default (2, 2, 2) and single-stream ablations repeat a layer; order still matters."""
-    ctx = doctor._Context(make_config(tmp_path, "unused", extract={"aux_layer_ids": [29, 29, 29]}))
+    ctx = doctor.Context(make_config(tmp_path, "unused", extract={"aux_layer_ids": [29, 29, 29]}))
     ctx.target_config = LLAMA31_8B
     assert doctor.check_layers(ctx).status == "ok"
 
 
 def test_max_model_len_must_hold_a_sample(tmp_path):
-    ctx = doctor._Context(
+    ctx = doctor.Context(
         make_config(tmp_path, "unused", extract={"backend": "vllm", "vllm": {"max_model_len": 2048}})
     )
     check = doctor.check_max_len(ctx)
@@ -233,21 +247,21 @@ def test_disk_estimate_counts_tokens_not_yet_extracted(tmp_path, monkeypatch):
                      [torch.ones(n, dtype=torch.uint8)], {})  # fmt: skip
     (root / "hidden" / "ds").mkdir(parents=True)
     (root / "hidden" / "ds" / "00000.safetensors").touch()  # already extracted: not counted
-    ctx = doctor._Context(cfg)
+    ctx = doctor.Context(cfg)
     ctx.target_config = LLAMA31_8B
     need = 3000 * hidden_bytes_per_token(4096, "fp8")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(0, 0, need + 2e9))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, need + 2e9))
     check = doctor.check_disk(ctx)
     assert check.status == "ok" and "1 shards / 3,000 tokens" in check.detail
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(0, 0, need))  # no room for the reserve
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, need))  # no room for the reserve
     check = doctor.check_disk(ctx)
     assert check.status == "fail" and "fp8" in check.fix
 
 
 def test_gpu_checks_skip_on_cpu_and_count_devices_on_gpu(tmp_path, monkeypatch):
     cfg = make_config(tmp_path, "unused", extract={"backend": "vllm", "vllm": {"tensor_parallel_size": 8}})
-    ctx = doctor._Context(cfg)
+    ctx = doctor.Context(cfg)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert doctor.check_gpus(ctx, "extract").status == "skip"
     props = namedtuple("props", "total_memory")
@@ -257,7 +271,7 @@ def test_gpu_checks_skip_on_cpu_and_count_devices_on_gpu(tmp_path, monkeypatch):
     check = doctor.check_gpus(ctx, "extract")
     assert check.status == "fail" and "needs 8 GPUs, 4 visible" in check.detail
     cfg["extract"]["vllm"]["tensor_parallel_size"] = 4
-    assert doctor.check_gpus(doctor._Context(cfg), "extract").status == "ok"
+    assert doctor.check_gpus(doctor.Context(cfg), "extract").status == "ok"
 
 
 def test_command_line_prints_each_check_and_exits_2_on_failure(tmp_path, capsys):
@@ -274,7 +288,7 @@ def test_command_line_prints_each_check_and_exits_2_on_failure(tmp_path, capsys)
     assert "error: preflight found 1 problem" in err and "extract.aux_layer_ids" in err
 
 
-def test_kimi_config_is_valid_and_refused_until_pinned_and_mla_is_decided(tmp_path):
+def test_kimi_config_is_valid_and_refused_until_pinned(tmp_path):
     from eagle3build.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml")
@@ -282,38 +296,37 @@ def test_kimi_config_is_valid_and_refused_until_pinned_and_mla_is_decided(tmp_pa
         cfg["extract"]["aux_layer_ids"] == [2, 30, 58] and cfg["extract"]["vllm"]["tensor_parallel_size"] == 8
     )
     assert cfg["target"]["trust_remote_code"] is True and cfg["extract"]["storage_dtype"] == "fp8"
-    ctx = doctor._Context(cfg)
+    ctx = doctor.Context(cfg)
     check = doctor.check_trust_policy(ctx)
     assert check.status == "fail" and "PIN-ME" in check.detail
     assert doctor.check_tokenizer(ctx).status == "skip"  # its remote code is not run unpinned
     ctx.full_config, ctx.target_config = KIMI_K25, KIMI_K25["text_config"]  # what the hub config holds
-    assert doctor.check_architecture(ctx).status == "fail"
+    assert doctor.check_architecture(ctx).status == "ok"  # MLA: one KV-cache group
     assert doctor.check_layers(ctx).status == "ok" and doctor.check_max_len(ctx).status == "ok"
 
 
 def test_attention_kernel_is_checked_on_the_gpu_only(tmp_path, monkeypatch):
-    """train.attention flash/cudnn is run against fp32 math where a GPU is visible; a kernel that fails
+    """train.attention flash is run against fp32 math where a GPU is visible; a kernel that fails
     there names the key; elsewhere the check is skipped (training runs it on its own GPU)."""
     from eagle3build.attention import kernel as kernel_attention
 
-    cfg = make_config(tmp_path, "unused", train={"attention": "cudnn"})
+    cfg = make_config(tmp_path, "unused", train={"attention": "flash"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert doctor.check_attention(doctor._Context(cfg)).status == "skip"
+    assert doctor.check_attention(doctor.Context(cfg)).status == "skip"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     calls = []
 
     def fake_check(impl, device):
         calls.append((impl, device))
-        if impl == "cudnn":
-            raise RuntimeError("attention kernel 'cudnn' does not run in torch X on cuda: TypeError: ...")
+        if len(calls) == 1:  # the first check meets a torch whose kernel does not run
+            raise RuntimeError("attention kernel 'flash' does not run in torch X on cuda: TypeError: ...")
         return {"out": 1e-3, "dq": 4e-3}
 
     monkeypatch.setattr(kernel_attention, "check_kernel", fake_check)
-    check = doctor.check_attention(doctor._Context(cfg))
-    assert check.status == "fail" and "'cudnn' does not run" in check.detail and "train.attention: flex" in check.fix
-    cfg["train"]["attention"] = "flash"
-    check = doctor.check_attention(doctor._Context(cfg))
+    check = doctor.check_attention(doctor.Context(cfg))
+    assert check.status == "fail" and "'flash' does not run" in check.detail and "train.attention: flex" in check.fix
+    check = doctor.check_attention(doctor.Context(cfg))
     assert check.status == "ok" and "dq 4.0e-03" in check.detail
-    assert calls == [("cudnn", "cuda"), ("flash", "cuda")]
+    assert calls == [("flash", "cuda"), ("flash", "cuda")]
     cfg["train"]["attention"] = "flex"
-    assert doctor.check_attention(doctor._Context(cfg)).status == "ok" and len(calls) == 2
+    assert doctor.check_attention(doctor.Context(cfg)).status == "ok" and len(calls) == 2

@@ -153,7 +153,7 @@ class OracleDraft(torch.nn.Module):
         vocab = target.config.vocab_size
         self.config = SimpleNamespace(aux_layer_ids=[1, 2, 3], vocab_size=vocab, draft_vocab_size=vocab)
 
-    def fuse(self, aux):
+    def project_aux(self, aux):
         assert aux.shape[-1] == 3 * self.target.config.hidden_size
         return aux
 
@@ -256,7 +256,10 @@ def test_too_long_prompts_are_skipped_with_their_later_turns(stories, tokenizer)
 @pytest.fixture(scope="module")
 def trained_draft(stories, tokenizer):
     """40 TTT steps on 6 greedy continuations (K = V). Returns the draft and TTT's simulated tau."""
-    from eagle3build.ttt.core import pack, sdpa_attention, step_weights, summarize, ttt_forward, weighted_loss
+    from eagle3build.attention.dense import sdpa_attention
+    from eagle3build.ttt.batch import pack
+    from eagle3build.ttt.forward import ttt_forward
+    from eagle3build.ttt.loss import step_loss_weights, summarize, weighted_loss
 
     head = load_target_head(STORIES)
     vocab = head.vocab_size
@@ -277,7 +280,7 @@ def trained_draft(stories, tokenizer):
             probs.append(torch.softmax(out.logits[0], dim=-1))  # the target's distribution, K = V
     batch, probs = pack(samples), torch.cat(probs)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    weights = step_weights(3, 0.8)
+    weights = step_loss_weights(3, 0.8)
     for _ in range(40):
         stats = ttt_forward(draft, batch, probs, 3, sdpa_attention)
         optimizer.zero_grad()

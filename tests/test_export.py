@@ -128,7 +128,7 @@ def test_reloaded_head_gives_the_trained_logits(trained):
     outs = []
     for model in (trained_model, reloaded):
         with torch.no_grad():
-            hidden, _ = model.layer(ids, model.fuse(aux), pos)
+            hidden, _ = model.layer(ids, model.project_aux(aux), pos)
             outs.append(model.logits(hidden))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert torch.equal(reloaded.draft_to_target(torch.arange(64)), torch.arange(64))
@@ -138,7 +138,7 @@ def test_reloaded_head_gives_the_trained_logits(trained):
     )
     bf16 = load_exported(root / "bf16" / "eagle3", dtype=torch.float32)
     with torch.no_grad():
-        hidden, _ = bf16.layer(ids, bf16.fuse(aux), pos)
+        hidden, _ = bf16.layer(ids, bf16.project_aux(aux), pos)
         assert torch.allclose(bf16.logits(hidden), outs[0], atol=0.05 * outs[0].abs().max())
 
 

@@ -14,14 +14,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle3build.config import resolve_section
 from eagle3build.errors import UserError
+from eagle3build.extraction.devices import device_slot, forget_devices, visible_devices
 from eagle3build.extraction.hf_server import Extractor, check_disk, length_batches
 from eagle3build.extraction.job import (
-    device_slot,
     extract_shard,
-    forget_devices,
+    mirrored_shards,
+    pending_token_shards,
+    planned_shards,
     stop_servers,
-    visible_devices,
+    write_shard_plan,
 )
 from eagle3build.shards import read_hidden, read_meta, write_tokens
 
@@ -63,7 +66,7 @@ def test_stored_states_equal_direct_forward(model_fixture, request, tmp_path):
     ex = Extractor(str(model_dir), aux, "cpu", "float32")
     # A small budget forces several length-sorted, right-padded batches.
     stats = ex.extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "h.safetensors"), "bf16", 64,
-                             progress=False)
+                             max_batch_size=64, progress=False)
     assert stats["tokens"] == sum(lengths)
     shard = read_hidden(tmp_path / "h.safetensors")
     assert shard.hidden.shape == (sum(lengths), 4, cfg["hidden_size"])
@@ -78,8 +81,10 @@ def test_stored_states_equal_direct_forward(model_fixture, request, tmp_path):
 def test_fp8_halves_bytes_and_stays_close(tiny_llama, tmp_path):
     make_token_shard(tmp_path / "t.safetensors", 128, [300, 200])
     ex = Extractor(str(tiny_llama), [1, 3, 4], "cpu", "float32")
-    ex.extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "bf16.safetensors"), "bf16", 4096, progress=False)
-    ex.extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "fp8.safetensors"), "fp8", 4096, progress=False)
+    ex.extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "bf16.safetensors"), "bf16", 4096, 64,
+                     progress=False)
+    ex.extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "fp8.safetensors"), "fp8", 4096, 64,
+                     progress=False)
     b16, b8 = (os.path.getsize(tmp_path / f) for f in ("bf16.safetensors", "fp8.safetensors"))
     assert b8 < 0.6 * b16
     a, b = read_hidden(tmp_path / "bf16.safetensors").hidden, read_hidden(tmp_path / "fp8.safetensors").hidden
@@ -109,6 +114,23 @@ def test_disk_check_refuses_with_numbers(tmp_path):
     # The server remembers token counts per version of a file: a rewritten shard is read again.
     make_token_shard(tmp_path / "t.safetensors", 128, [1000, 1000])
     assert check_disk(str(tmp_path / "h.safetensors"), [str(tmp_path / "t.safetensors")], 32, "bf16", 0.0) == 2 * need
+
+
+def test_pending_shards_are_the_runs_token_shards_not_yet_extracted(tmp_path):
+    run_dir = tmp_path / "run"
+    tokens = [str(tmp_path / "tokens" / "d" / f"{i:05d}.safetensors") for i in range(3)]
+    hidden = [str(tmp_path / "hidden" / "d" / f"{i:05d}.safetensors") for i in range(3)]
+    assert planned_shards(run_dir) == []  # no plan (an API call): the disk check counts this shard alone
+    write_shard_plan(run_dir, tokens, hidden)
+    assert planned_shards(run_dir) == list(zip(tokens, hidden, strict=True))
+    for path in (tokens[0], tokens[1], hidden[0]):  # shard 0 extracted, shard 2 not tokenized yet
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).touch()
+    assert pending_token_shards(planned_shards(run_dir)) == [tokens[1]]
+    assert pending_token_shards(planned_shards(run_dir), tokens[2]) == [tokens[1], tokens[2]]
+    assert pending_token_shards(planned_shards(run_dir), tokens[1].replace("/tokens/", "/./tokens/")) == [tokens[1]]
+    # The doctor, without a run: the token shards on disk against their hidden shards.
+    assert pending_token_shards(mirrored_shards(tmp_path / "tokens", tmp_path / "hidden")) == [tokens[1]]
 
 
 def _hold_slot(run_dir, devices, q, hold_s):
@@ -155,7 +177,8 @@ def test_killed_holder_frees_its_slot(tmp_path):
 def test_server_loads_once_and_serves_several_shards(tiny_llama, tmp_path):
     run_dir = tmp_path / "run"
     target = {"path": str(tiny_llama), "revision": None, "trust_remote_code": False, "dtype": "float32"}
-    params = {"aux_layer_ids": [1, 3, 4], "devices": ["cpu"], "storage_dtype": "bf16", "server_idle_s": 60}
+    params = resolve_section("extract", {"aux_layer_ids": [1, 3, 4], "devices": ["cpu"], "storage_dtype": "bf16",
+                                         "server_idle_s": 60, "batch_tokens": 8192})
     try:
         for i in range(2):
             make_token_shard(tmp_path / f"t{i}.safetensors", 128, [20, 30], seed=i)
@@ -190,13 +213,14 @@ def test_server_start_failure_reports_log(tmp_path):
     make_token_shard(tmp_path / "t.safetensors", 16, [4])
     with pytest.raises(UserError, match="exited with code"):
         extract_shard(str(tmp_path / "t.safetensors"), str(tmp_path / "h.safetensors"), target,
-                      {"aux_layer_ids": [0, 1, 2], "devices": ["cpu"]}, str(tmp_path / "run"))
+                      resolve_section("extract", {"aux_layer_ids": [0, 1, 2], "devices": ["cpu"]}),
+                      str(tmp_path / "run"))
     assert not (tmp_path / "h.safetensors").exists()
 
 
 def test_shard_job_side_imports_no_torch(tmp_path):
-    """A shard job is a client of the server: importing torch (~1 s) would idle the GPU for it every shard."""
-    code = ("import sys, eagle3build.extraction.job as e; e.pending_token_shards('.'); "
+    """A shard job is a client of the server: importing torch would idle the GPU for that long every shard."""
+    code = ("import sys, eagle3build.extraction.job as e; e.pending_token_shards(e.planned_shards('.'), 't'); "
             "assert 'torch' not in sys.modules, 'the job side imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -209,7 +233,7 @@ def test_device_list_is_looked_up_once_per_run_and_host(tmp_path, monkeypatch):
     # Later jobs read the list without torch; a file for this host and these variables says what they get.
     known = json.loads(cache.read_text())
     cache.write_text(json.dumps({**known, "devices": ["cuda:0", "cuda:1"]}))
-    code = ("import sys, eagle3build.extraction.job as e; print(e.visible_devices('auto', sys.argv[1])); "
+    code = ("import sys, eagle3build.extraction.devices as e; print(e.visible_devices('auto', sys.argv[1])); "
             "assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from eagle3build.data.formats import count_records, iter_conversations
-from eagle3build.data.prepare import plan_shards, split_dataset
+from eagle3build.data.prepare import split_dataset
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.shardplan import plan_shards
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TRAIN = SHARED / "assets" / "data" / "train"
@@ -319,6 +320,18 @@ def test_split_shards_deterministic_and_atomic(tmp_path):
     assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
+def test_a_source_without_records_plans_one_empty_shard(tmp_path):
+    """The workflow plans at least one shard per dataset; a source without records gets one empty shard."""
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    assert count_records(str(path)) == 0
+    assert plan_shards(0, 10, None) == 1 and plan_shards(0, 10, 5) == 1
+    assert [plan_shards(n, 10, None) for n in (1, 10, 11)] == [1, 1, 2] and plan_shards(30, 10, 12) == 2
+    out = tmp_path / "o" / "00000.jsonl"
+    report = split_dataset(str(path), "auto", [str(out)], 10, None, None, "e", total_shards=1)
+    assert out.read_text() == "" and report["records_read"] == 0 and report["shard_counts"] == [0]
+
+
 def test_split_fails_whole_when_a_later_record_is_bad(tmp_path):
     records = [{"instruction": f"q{i}", "output": "a"} for i in range(15)] + [{"instruction": "no output"}]
     path = write_jsonl(tmp_path / "d.jsonl", records)
@@ -343,7 +356,8 @@ def test_count_records_does_not_parse_jsonl(tmp_path):
 RSS_SCRIPT = textwrap.dedent("""
     import json, resource, sys
     from eagle3build.data.formats import count_records
-    from eagle3build.data.prepare import plan_shards, split_dataset
+    from eagle3build.data.prepare import split_dataset
+    from eagle3build.shardplan import plan_shards
     src, out, shard_size = sys.argv[1], sys.argv[2], 5000
     n = plan_shards(count_records(src), shard_size, None)
     split_dataset(src, "auto", [f"{out}/{i:05d}.jsonl" for i in range(n)], shard_size, None, None, "big")

@@ -44,16 +44,6 @@ def test_check_kernel_stops_a_kernel_whose_lse_convention_changed(monkeypatch):
         check_kernel("flash", "cpu")
 
 
-def test_train_refuses_cudnn_on_cpu_before_loading_anything(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("CPU-only behaviour")
-    from eagle3build.train.loop import train
-
-    missing = str(tmp_path / "missing")
-    with pytest.raises(ConfigError, match="train.attention"):
-        train([missing], missing, missing, str(tmp_path / "out"), str(tmp_path / "state"), {"attention": "cudnn"})
-
-
 def test_train_reports_a_kernel_that_fails_its_check(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")
@@ -68,34 +58,6 @@ def test_train_reports_a_kernel_that_fails_its_check(tmp_path, monkeypatch):
         train_module.train(
             [missing], missing, missing, str(tmp_path / "out"), str(tmp_path / "state"), {"attention": "flash"}
         )
-
-
-def test_cudnn_adapter_layouts_with_a_cpu_stand_in(monkeypatch):
-    """The cuDNN kernel's plumbing (varlen layout, repeated kv heads and their summed gradients, the
-    softmax statistics' [N, nh, 1] layout there and back), run through check_kernel with a CPU stand-in
-    for aten::_cudnn_attention_forward/_backward that computes with torch's CPU flash kernel."""
-    cpu = torch.ops.aten
-
-    def forward(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale):
-        assert bias is None and lse and causal and q.shape[1] == k.shape[1] == v.shape[1]  # no GQA there
-        out, lse = cpu._scaled_dot_product_flash_attention_for_cpu(
-            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, False, attn_mask=sample_mask(cu_q, q.dtype),
-            scale=scale,
-        )  # fmt: skip
-        seed, offset = torch.zeros(()), torch.zeros(())
-        return out[0].transpose(0, 1), lse[0].T.unsqueeze(-1), cu_q, cu_k, max_q, max_k, seed, offset, None
-
-    def backward(dout, q, k, v, out, stats, seed, offset, bias, cu_q, cu_k, max_q, max_k, dropout, causal, *, scale):
-        assert stats.shape == (len(q), q.shape[1], 1) and bias is None and seed.shape == offset.shape == ()
-        grads = cpu._scaled_dot_product_flash_attention_for_cpu_backward(
-            *(t.transpose(0, 1).unsqueeze(0).contiguous() for t in (dout, q, k, v, out)), stats[..., 0].T.unsqueeze(0),
-            0.0, False, attn_mask=sample_mask(cu_q, q.dtype), scale=scale,
-        )  # fmt: skip
-        return tuple(g[0].transpose(0, 1) for g in grads)
-
-    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", forward, raising=False)
-    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_backward", backward, raising=False)
-    assert max(check_kernel("cudnn", "cpu").values()) < 1e-5
 
 
 def test_flash_varlen_adapter_with_a_cpu_stand_in(monkeypatch):

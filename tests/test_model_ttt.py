@@ -7,19 +7,14 @@ import math
 import pytest
 import torch
 
+from eagle3build.attention.factory import make_attention
+from eagle3build.attention.merged import MathMergedAttention
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.draft.target import TargetHead
-from eagle3build.ttt.core import (
-    MathMergedAttention,
-    TargetScorer,
-    make_attention,
-    pack,
-    step_weights,
-    ttt_forward,
-    weighted_loss,
-    with_greedy_in_draft,
-    with_loss_rows,
-)
+from eagle3build.ttt.batch import pack, with_greedy_in_draft, with_loss_rows
+from eagle3build.ttt.forward import ttt_forward
+from eagle3build.ttt.loss import step_loss_weights, weighted_loss
+from eagle3build.ttt.scorer import TargetScorer
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -145,7 +140,7 @@ def batched_loss(model, samples, scorer, steps, impl, step_weight):
     # "merged-math": flex's LSE-merge algorithm with a dense causal part, so it runs backward on CPU
     attention = MathMergedAttention() if impl == "merged-math" else make_attention(impl)
     stats = ttt_forward(model, batch, scorer.draft_probs(batch.final), steps, attention)
-    return weighted_loss(stats, stats.count, step_weights(steps, step_weight))
+    return weighted_loss(stats, stats.count, step_loss_weights(steps, step_weight))
 
 
 def grads_of(model, loss):
@@ -200,12 +195,13 @@ def test_flex_block_mask_is_the_causal_per_sample_mask():
     """Flex attends over the step-0 keys only (the diagonals are merged by LSE): causal, per sample."""
     from torch.nn.attention.flex_attention import create_mask
 
-    from eagle3build.ttt.core import FlexAttention, _step_mask
+    from eagle3build.attention.dense import step_mask
+    from eagle3build.attention.flex import FlexAttention
 
     doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 1, 7]))
     n = len(doc)
     mask = create_mask(FlexAttention.mask_mod(doc), None, None, n, n, device="cpu")
-    assert torch.equal(mask[0, 0], _step_mask(doc, 0))
+    assert torch.equal(mask[0, 0], step_mask(doc, 0))
     assert int(mask[0, 0, 7].sum()) == 2  # doc 2 position 1: two causal keys
 
 
@@ -260,7 +256,7 @@ def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():
     )
     stats = ttt_forward(model, batch, scorer.draft_probs(batch.final), 1, make_attention("reference"))
     out, _ = model.layer(
-        x[1:].unsqueeze(0), model.fuse(aux[:-1]).unsqueeze(0), torch.arange(T - 1).unsqueeze(0)
+        x[1:].unsqueeze(0), model.project_aux(aux[:-1]).unsqueeze(0), torch.arange(T - 1).unsqueeze(0)
     )
     logp = torch.log_softmax(model.logits(out[0]), -1)
     # rows j = 1 .. T - 2 predict x[2 .. T - 1] (no greedy flags on this batch: every such row counts)
@@ -280,7 +276,7 @@ def test_compiled_tuning_follows_the_environment(monkeypatch):
     """Coordinate-descent tuning is on unless TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 (the documented off switch)."""
     import torch._inductor.config as inductor_config
 
-    from eagle3build.ttt.core import compiled
+    from eagle3build.compilation import compiled
 
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", inductor_config.coordinate_descent_tuning)
     monkeypatch.delenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", raising=False)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from eagle3build.data.formats import count_records
-from eagle3build.data.prepare import format_sample, plan_shards, split_dataset, tokenize_shard
+from eagle3build.data.prepare import format_sample, split_dataset, tokenize_shard
 from eagle3build.errors import UserError
+from eagle3build.shardplan import plan_shards
 from eagle3build.shards import read_tokens
 
 REPO = Path(__file__).resolve().parents[1]

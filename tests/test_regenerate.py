@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fake_openai_server import FakeOpenAIServer, fake_answer  # noqa: E402
 
-from eagle3build.data.regenerate import HFBackend, PartialFile, regenerate_shard  # noqa: E402
+from eagle3build.data.regenerate import HFBackend, regenerate_shard  # noqa: E402
+from eagle3build.data.replay import PartialFile  # noqa: E402
 from eagle3build.errors import UserError  # noqa: E402
 
 torch.set_num_threads(1)
@@ -172,7 +173,9 @@ def test_resume_continues_a_conversation_at_its_first_unfinished_turn(tmp_path):
 
 
 def test_hf_backend_resumes_mid_conversation(tmp_path, stories_target):
-    from eagle3build.data.regenerate import DEFAULTS, Replay, _fingerprint
+    from eagle3build.config import section_defaults
+    from eagle3build.data.regenerate import _fingerprint
+    from eagle3build.data.replay import Replay
 
     samples = [
         {"id": "a", "messages": [{"role": "user", "content": "Once upon a time there was a cat."},
@@ -183,7 +186,7 @@ def test_hf_backend_resumes_mid_conversation(tmp_path, stories_target):
     # the partial file of a job killed after round 1: b finished, a after its first turn
     shard = write_shard(tmp_path / "in.jsonl", samples)
     partial = PartialFile(str(tmp_path / "out.jsonl.partial.jsonl"),
-                          _fingerprint(shard, stories_target, {**DEFAULTS, **params}))
+                          _fingerprint(shard, stories_target, {**section_defaults("regenerate"), **params}))
     b_done = {**samples[1], "messages": [samples[1]["messages"][0], {"role": "assistant", "content": "B DONE"}]}
     a_half = Replay(samples[0])
     a_half.next_prompt()

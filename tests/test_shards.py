@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import struct
+
 import pytest
 import torch
 
 from eagle3build.errors import UserError
-from eagle3build.shards import HiddenShardWriter, read_hidden, read_meta, read_tokens, write_tokens
+from eagle3build.shards import (
+    HiddenShardReader,
+    HiddenShardWriter,
+    read_hidden,
+    read_meta,
+    read_tokens,
+    write_tokens,
+)
 
 
 def _small():
@@ -45,6 +55,37 @@ def test_packed_batch_lands_at_each_samples_offset(tmp_path, dtype):
         w.write_batch([(5, 7), (0, 5)], packed)
     s = read_hidden(tmp_path / "h.safetensors")
     assert ((s.hidden - rows).norm(dim=-1) / rows.norm(dim=-1)).max() < (0.01 if dtype == "bf16" else 0.06)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_the_sample_reader_reads_what_the_whole_shard_holds(tmp_path, dtype):
+    """HiddenShardReader (the trainer reads each sample through it, memory-mapped) gives a sample's rows
+    with the values and dtypes read_hidden gives for the whole shard."""
+    ids, mask, cu = _small()
+    with HiddenShardWriter(tmp_path / "h.safetensors", ids, mask, cu, 8, dtype, {"model": "m"}) as w:
+        w.write(0, torch.randn(12, 4, 8))
+    whole = read_hidden(tmp_path / "h.safetensors", dtype=torch.bfloat16)
+    reader = HiddenShardReader(tmp_path / "h.safetensors")
+    assert reader.meta == whole.meta
+    assert torch.equal(reader.cu_seqlens(), cu) and torch.equal(reader.loss_mask(), whole.loss_mask)
+    sample = reader.rows(5, 12, torch.bfloat16)
+    for got, expected in zip(sample, (whole.input_ids[5:], whole.loss_mask[5:], whole.hidden[5:]), strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_samples_past_the_shards_rows_are_a_corrupted_shard(tmp_path):
+    """cu_seqlens must end at the shard's last row: a shard whose samples run past it is named corrupted."""
+    ids, mask, cu = _small()
+    path = tmp_path / "h.safetensors"
+    with HiddenShardWriter(path, ids, mask, cu, 8, "bf16", {}) as w:
+        w.write(0, torch.randn(12, 4, 8))
+    data = bytearray(path.read_bytes())
+    header_len = struct.unpack("<Q", data[:8])[0]
+    start = 8 + header_len + json.loads(data[8 : 8 + header_len])["cu_seqlens"]["data_offsets"][0]
+    data[start + 16 : start + 24] = struct.pack("<q", 13)  # cu_seqlens [0, 5, 13]: one row more than written
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"h\.safetensors: corrupted hidden-state shard \(cu_seqlens ends at 13"):
+        HiddenShardReader(path).cu_seqlens()
 
 
 def test_incomplete_or_failed_writer_leaves_nothing(tmp_path):

@@ -245,7 +245,8 @@ def test_checkpoint_of_another_run_is_refused(inputs, tmp_path):
     summary, out, state = run(inputs, tmp_path, epochs=1)
     ckpt = sorted((state / summary["params_hash"]).glob("ckpt-*.safetensors"))[-1]
     other = {**FAST, "epochs": 1, "lr": 5e-4}
-    from eagle3build.train.loop import params_hash, resolve_params  # noqa: F401
+    from eagle3build.train.checkpoint import params_hash  # noqa: F401
+    from eagle3build.train.loop import resolve_params  # noqa: F401
 
     # place the checkpoint where a run with other params looks for its state
     first = train(
@@ -347,14 +348,15 @@ def test_compiled_runs_pad_batches_on_the_host_and_train_the_same(inputs, tmp_pa
 
     torch.compile is replaced by the identity, so this runs the compiled run's batch path on CPU fast.
     """
-    from eagle3build.ttt import core as ttt
+    from eagle3build import compilation
+    from eagle3build.ttt.batch import PackedBatch
 
     eager, out_e, _ = run(inputs, tmp_path / "eager", epochs=2)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
-    monkeypatch.setattr(ttt, "_COMPILED", {})
+    monkeypatch.setattr(compilation, "COMPILED", {})
     padded_lengths = []
-    to = ttt.PackedBatch.to
-    monkeypatch.setattr(ttt.PackedBatch, "to", lambda self, *a, **kw: padded_lengths.append(self.num_tokens) or to(self, *a, **kw))
+    to = PackedBatch.to
+    monkeypatch.setattr(PackedBatch, "to", lambda self, *a, **kw: padded_lengths.append(self.num_tokens) or to(self, *a, **kw))
     compiled, out_c, _ = run(inputs, tmp_path / "compiled", epochs=2, compile=True)
     assert padded_lengths and all(n % 1024 == 0 for n in padded_lengths)  # padded before the device copy
 
@@ -379,7 +381,7 @@ def _clip_problem(scale: float, fused: bool):
 def test_clipped_step_folds_the_clip_into_fused_adamw(scale, monkeypatch):
     """With a fused AdamW the clip coefficient rides in the optimizer's pass (grad_scale): the same
     update and norm as clip_grad_norm_ + step, without clip_grad_norm_'s own pass over the gradients."""
-    from eagle3build.train import loop as train_module
+    from eagle3build.train import optim
 
     reference, optimizer = _clip_problem(scale, fused=False)
     norm_ref = torch.nn.utils.clip_grad_norm_(reference, 0.5)
@@ -387,7 +389,7 @@ def test_clipped_step_folds_the_clip_into_fused_adamw(scale, monkeypatch):
 
     params, optimizer = _clip_problem(scale, fused=True)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: pytest.fail("clipped in a separate pass"))
-    norm = train_module.clipped_step(optimizer, params, 0.5)
+    norm = optim.clipped_step(optimizer, params, 0.5)
     assert float(norm) == pytest.approx(float(norm_ref), rel=1e-6)
     assert float(optimizer.grad_scale) == pytest.approx(max(1.0, float(norm_ref) / 0.5), rel=1e-5)
     for q, r in zip(params, reference, strict=True):
@@ -399,7 +401,7 @@ def test_clipped_step_folds_the_clip_into_fused_adamw(scale, monkeypatch):
 def test_clipped_step_clips_the_usual_way_where_adamw_ignores_grad_scale(monkeypatch):
     """A torch whose fused AdamW stopped reading grad_scale would clip nothing silently: the one-time
     check sees it and the step clips with clip_grad_norm_ instead."""
-    from eagle3build.train import loop as train_module
+    from eagle3build.train import optim
 
     reference, optimizer = _clip_problem(1.0, fused=False)
     torch.nn.utils.clip_grad_norm_(reference, 0.5)
@@ -407,12 +409,12 @@ def test_clipped_step_clips_the_usual_way_where_adamw_ignores_grad_scale(monkeyp
 
     step = torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (self.__dict__.pop("grad_scale", None), step(self, *a, **k))[1])
-    monkeypatch.setattr(train_module, "_GRAD_SCALE_READ", {})
-    assert not train_module.fused_adamw_reads_grad_scale(torch.device("cpu"))
+    monkeypatch.setattr(optim, "_GRAD_SCALE_READ", {})
+    assert not optim.fused_adamw_reads_grad_scale(torch.device("cpu"))
     params, optimizer = _clip_problem(1.0, fused=True)
-    train_module.clipped_step(optimizer, params, 0.5)
+    optim.clipped_step(optimizer, params, 0.5)
     for q, r in zip(params, reference, strict=True):
         torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    monkeypatch.setattr(train_module, "_GRAD_SCALE_READ", {})
-    assert train_module.fused_adamw_reads_grad_scale(torch.device("cpu"))
+    monkeypatch.setattr(optim, "_GRAD_SCALE_READ", {})
+    assert optim.fused_adamw_reads_grad_scale(torch.device("cpu"))

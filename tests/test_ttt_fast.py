@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from eagle3build.ttt.core import _step_mask, merge_diagonal, reference_attention
+from eagle3build.attention.dense import reference_attention, step_mask
+from eagle3build.attention.merge import merge_diagonal
 
 torch.set_num_threads(2)
 
@@ -16,7 +17,7 @@ def causal_with_lse(q, k, v, doc, scale):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~_step_mask(doc, 0), float("-inf"))
+    scores = scores.masked_fill(~step_mask(doc, 0), float("-inf"))
     return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
 
 
@@ -90,7 +91,7 @@ def test_weights_cast_once_per_step_give_the_named_weights_their_gradients():
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             fused = model.fused_weights(dtype)
-            h = model.fuse(aux)
+            h = model.project_aux(aux)
             for _ in range(2):
                 q, k, v, residual = model.qkv(ids, h, pos, fused)
                 h = model.finish(attn_out * q.mean() + k.mean() + v.mean(), residual, fused)
@@ -108,15 +109,16 @@ def test_weights_cast_once_per_step_give_the_named_weights_their_gradients():
         assert (grad - per_use[name]).abs().max() <= 0.02 * scale, name
 
 
-def test_per_step_weights_give_the_shared_weights_gradients(monkeypatch):
-    """Compiled steps each read their own alias of the per-step weights (ttt.PerStepWeights), whose
+def test_weight_aliases_per_step_give_the_shared_weights_gradients(monkeypatch):
+    """Compiled steps each read their own alias of the per-step weights (ttt.weight_aliases), whose
     gradients one compiled kernel adds: the named weights get the gradients of plain shared use, also
     where a step leaves some aliases unused (step 1 here skips o_proj and the MLP)."""
+    from eagle3build import compilation
     from eagle3build.draft.model import DraftConfig, Eagle3Draft
-    from eagle3build.ttt import core as ttt
+    from eagle3build.ttt.weight_aliases import sum_in_fp32, weight_aliases_per_step
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
-    monkeypatch.setattr(ttt, "_COMPILED", {})
+    monkeypatch.setattr(compilation, "COMPILED", {})
     c = DraftConfig(32, 4, 2, 8, 48, 1e-5, 10000.0, 64, 50, 20, 32, [1, 2, 3])
     torch.manual_seed(0)
     model = Eagle3Draft(c)
@@ -126,8 +128,8 @@ def test_per_step_weights_give_the_shared_weights_gradients(monkeypatch):
     def three_steps(aliases: bool):
         model.zero_grad()
         fused = model.fused_weights()
-        step_fused = ttt.per_step_weights(fused, 3, compile=True) if aliases else [fused] * 3
-        h = model.fuse(aux)
+        step_fused = weight_aliases_per_step(fused, 3, compile=True) if aliases else [fused] * 3
+        h = model.project_aux(aux)
         for s, f in enumerate(step_fused):
             q, k, v, residual = model.qkv(ids, h, pos, f)
             out = attn_out * q.mean() + k.mean() + v.mean()
@@ -136,7 +138,7 @@ def test_per_step_weights_give_the_shared_weights_gradients(monkeypatch):
         return {n: q.grad for n, q in model.named_parameters() if q.requires_grad}
 
     shared, per_step = three_steps(False), three_steps(True)
-    assert "_sum_in_fp32" in ttt._COMPILED  # the steps' gradients were added by the compiled kernel
+    assert sum_in_fp32 in compilation.COMPILED  # the steps' gradients were added by the compiled kernel
     assert set(per_step) == set(shared)
     for name, grad in per_step.items():
         torch.testing.assert_close(grad, shared[name], rtol=1e-5, atol=1e-7, msg=name)
@@ -146,7 +148,9 @@ def test_padding_a_batch_changes_no_loss_or_count():
     """Compiled runs pad batches to a bucketed length: the dummy sample must carry nothing."""
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.ttt.core import MathMergedAttention, pack, pad_batch, ttt_forward
+    from eagle3build.attention.merged import MathMergedAttention
+    from eagle3build.ttt.batch import pack, pad_batch
+    from eagle3build.ttt.forward import ttt_forward
 
     model, _, scorer = tiny_draft()
     batch = pack(random_samples([7, 5, 9], seed=4))
@@ -162,7 +166,7 @@ def test_padding_a_batch_changes_no_loss_or_count():
 
 def loss_and_grads(model, scorer, batch, attention, compile=False):
     """One TTT forward + backward: the stats and every parameter's gradient."""
-    from eagle3build.ttt.core import ttt_forward
+    from eagle3build.ttt.forward import ttt_forward
 
     model.zero_grad()
     stats = ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), 3, attention, compile=compile)
@@ -188,7 +192,9 @@ def test_loss_rows_give_every_loss_count_and_gradient_of_all_rows():
 
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.ttt.core import MathMergedAttention, pack, pad_batch, ttt_forward, with_loss_rows
+    from eagle3build.attention.merged import MathMergedAttention
+    from eagle3build.ttt.batch import pack, pad_batch, with_loss_rows
+    from eagle3build.ttt.forward import ttt_forward
 
     model, _, scorer = tiny_draft()
     samples = random_samples([9, 6, 11], seed=5)
@@ -222,15 +228,9 @@ def test_step_rows_give_every_loss_count_and_gradient_of_all_rows(attention):
 
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.ttt.core import (
-        MathMergedAttention,
-        make_attention,
-        pack,
-        pad_batch,
-        with_greedy_in_draft,
-        with_loss_rows,
-        with_step_rows,
-    )
+    from eagle3build.attention.factory import make_attention
+    from eagle3build.attention.merged import MathMergedAttention
+    from eagle3build.ttt.batch import pack, pad_batch, with_greedy_in_draft, with_loss_rows, with_step_rows
 
     attend = MathMergedAttention() if attention == "merged" else make_attention(attention)
     model, _, scorer = tiny_draft()
@@ -271,12 +271,13 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     CPU backend), with loss rows and step rows. Same losses, counts and gradients as the eager step."""
     from test_model_ttt import random_samples, tiny_draft
 
-    from eagle3build.attention import kernel as kernel_attention
-    from eagle3build.ttt import core as ttt
-    from eagle3build.ttt.core import MathMergedAttention, pack, pad_batch, with_loss_rows, with_step_rows
+    from eagle3build import compilation
+    from eagle3build.attention.kernel import KernelAttention
+    from eagle3build.attention.merged import MathMergedAttention
+    from eagle3build.ttt.batch import pack, pad_batch, with_loss_rows, with_step_rows
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
-    monkeypatch.setattr(ttt, "_COMPILED", {})  # compiled here, whatever ran before
+    monkeypatch.setattr(compilation, "COMPILED", {})  # compiled here, whatever ran before
     model, _, scorer = tiny_draft()
 
     def batch(prompt: int):
@@ -291,7 +292,7 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     assert layouts[0].step_rows is not None and len({len(b.step_rows) for b in layouts[:3]}) == 3
     assert len({len(b.loss_rows) for b in layouts[:3]}) == 3
     merged = MathMergedAttention(compile=True)
-    kernel = kernel_attention.KernelAttention("flash", compile=True)  # the kernel's merge and its backward
+    kernel = KernelAttention("flash", compile=True)  # the kernel's merge and its backward
     compiled_scorer = copy.copy(scorer)
     compiled_scorer.compile = True  # the target distribution too, dynamic in its rows
     for b in layouts:
@@ -302,5 +303,5 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
             assert_same_loss_counts_and_grads(compiled, eager, relative=True)
     # the target distribution, 4 step pieces, the per-step weights' gradient sum, flex's merge, the kernel
     # merge and its backward
-    kernels = list(ttt._COMPILED.values())
+    kernels = list(compilation.COMPILED.values())
     assert len(kernels) == 9 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)

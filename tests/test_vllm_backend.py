@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3build.engine import process
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.extraction import vllm as vllm_backend
 from eagle3build.extraction.vllm import VllmServer, build_command, extract_shard_vllm, stop_servers
@@ -92,7 +94,7 @@ def _server_state(run_dir: Path):
 
 
 def _alive(pid: int) -> bool:
-    return vllm_backend._proc_start_ticks(pid) is not None
+    return process.start_ticks(pid) is not None
 
 
 def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
@@ -118,7 +120,9 @@ def test_command_has_the_extraction_flags_and_no_shell(tmp_path):
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
     assert cmd[cmd.index("--max-model-len") + 1] == "4096"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    assert "--no-enable-chunked-prefill" in cmd and cmd[-1] == "--enforce-eager"
+    assert cmd[-1] == "--enforce-eager"
+    # Chunked prefill stays on: turning it off may give wrong outputs and sizes the step to max_model_len.
+    assert not any("chunked-prefill" in arg for arg in cmd)
     assert "--trust-remote-code" not in cmd and "--revision" not in cmd
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
@@ -150,6 +154,98 @@ def test_workflow_params_read_n_and_h_from_the_target_config(tmp_path):
     assert resolved["layer_ids"] == LAYER_IDS and resolved["hidden_size"] == HIDDEN
     cmd = build_command(params, 1, "/x")
     assert resolved["model"] == str(model) and cmd[cmd.index("serve") + 1] == str(model)
+
+
+def test_max_model_len_is_derived_from_prepare_max_length(tmp_path):
+    """Not the model's own limit (Kimi-K2.5: 262,144): the longest sample plus the generated token."""
+    params = make_params(tmp_path)
+    params["vllm"]["executable"] = "vllm"
+    params["max_length"] = 4096
+    cmd = build_command(params, 1, "/x")
+    assert cmd[cmd.index("--max-model-len") + 1] == "4097"
+    del params["max_length"]  # not given: the schema's prepare.max_length (2048)
+    cmd = build_command(params, 1, "/x")
+    assert cmd[cmd.index("--max-model-len") + 1] == "2049"
+    params.update(max_length=4096, vllm={**params["vllm"], "max_model_len": 8192})  # more is allowed
+    cmd = build_command(params, 1, "/x")
+    assert cmd[cmd.index("--max-model-len") + 1] == "8192"
+    params["vllm"]["max_model_len"] = 4096  # no room for the generated token
+    with pytest.raises(ConfigError, match=r"extract\.vllm\.max_model_len.*>= 4097"):
+        build_command(params, 1, "/x")
+
+
+def test_an_old_config_with_allow_mla_still_works_and_is_told_to_drop_it(tmp_path):
+    from eagle3build.config import RemovedKeyWarning
+
+    params = make_params(tmp_path, allow_mla=True)
+    with pytest.warns(RemovedKeyWarning, match=r"extract\.vllm\.allow_mla.*no longer needed.*Delete it"):
+        cmd = build_command(params, 1, "/x")
+    assert params["vllm"]["allow_mla"] is True  # the caller's dict is left alone
+    assert "allow_mla" not in " ".join(cmd)
+
+
+def test_a_workflow_config_with_allow_mla_loads_without_it(tmp_path):
+    import yaml
+
+    from eagle3build.config import RemovedKeyWarning, load_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "target": {"model": "org/m"}, "datasets": [{"name": "d", "path": "d.jsonl"}],
+        "extract": {"backend": "vllm", "vllm": {"allow_mla": True, "tensor_parallel_size": 8}},
+    }))
+    with pytest.warns(RemovedKeyWarning, match="extract.vllm.allow_mla"):
+        config = load_config(path)
+    assert config["extract"]["vllm"]["tensor_parallel_size"] == 8 and "allow_mla" not in config["extract"]["vllm"]
+    path.write_text(path.read_text().replace("allow_mla", "allow_mlaa"))  # a typo is still an error
+    with pytest.raises(ConfigError, match="extract.vllm"):
+        load_config(path)
+
+
+def write_target(tmp_path: Path, config: dict) -> Path:
+    model = tmp_path / "target"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def workflow_params(tmp_path: Path, model: Path, aux: list[int]) -> dict:
+    params = make_params(tmp_path)
+    for key in ("model", "revision", "trust_remote_code", "layer_ids", "hidden_size"):
+        del params[key]
+    params.update(target={"path": str(model), "revision": None, "trust_remote_code": False}, aux_layer_ids=aux)
+    return params
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 8,
+               "hidden_size": HIDDEN, "kv_lora_rank": 16}
+KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 8, "hidden_size": HIDDEN}}
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_V3, KIMI_K25], ids=["deepseek_v3", "kimi_k25"])
+def test_aux_ids_vllm_cannot_capture_are_refused_before_a_server_starts(tmp_path, config):
+    model = write_target(tmp_path, config)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"extract\.aux_layer_ids.*layer 0.*DeepSeek.*>= 1"):
+        VllmServer(run_dir, workflow_params(tmp_path, model, [0, 3, 5]))
+    with pytest.raises(ConfigError, match=r"extract\.aux_layer_ids.*repeats a layer"):
+        VllmServer(run_dir, workflow_params(tmp_path, model, [2, 4, 4]))
+    assert not (run_dir / "vllm").exists()  # nothing was started
+    # An MLA target with ids vLLM captures is served: no refusal for the architecture.
+    cmd = build_command(workflow_params(tmp_path, model, [1, 4, 5]), 1, "/x")
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 5, 8]
+
+
+def test_layer_0_is_fine_on_other_targets_but_repeats_never_are(tmp_path):
+    model = write_target(tmp_path, {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                    "num_hidden_layers": 8, "hidden_size": HIDDEN})
+    assert vllm_backend.resolve_params(workflow_params(tmp_path, model, [0, 4, 5]))["layer_ids"] == [0, 4, 5, 8]
+    flat = make_params(tmp_path)
+    flat["layer_ids"] = [2, 2, 5, 8]
+    with pytest.raises(ConfigError, match=r"extract\.aux_layer_ids.*repeat"):
+        build_command(flat, 1, "/x")
 
 
 @pytest.mark.parametrize(
@@ -252,8 +348,10 @@ def test_a_hanging_request_times_out(shared_run, tmp_path):
 def test_a_rejected_prompt_is_not_retried_and_names_max_model_len(run_dir, tmp_path):
     tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
     make_token_shard(tokens, lengths=(3, 40))
+    params = make_params(run_dir)
+    params["max_length"] = 31  # a token shard longer than prepare.max_length: the server says no
     with pytest.raises(UserError, match="sample 1 .*max_model_len"):
-        extract_shard_vllm(str(tokens), str(out), make_params(run_dir, max_model_len=32), str(run_dir))
+        extract_shard_vllm(str(tokens), str(out), params, str(run_dir))
 
 
 # ---------------------------------------------------------------- lifecycle
@@ -311,8 +409,8 @@ def test_sigkill_when_sigterm_is_ignored(run_dir, monkeypatch):
     server = VllmServer(run_dir, make_params(run_dir, env={"FAKE_VLLM_IGNORE_SIGTERM": "1"}))
     with server.lease():
         pid = server.read_state().pid
-    real = vllm_backend._terminate_group
-    monkeypatch.setattr(vllm_backend, "_terminate_group", lambda p, t, grace_s=30.0: real(p, t, grace_s=0.5))
+    real = process.terminate
+    monkeypatch.setattr(process, "terminate", lambda p, t, grace_s=30.0: real(p, t, grace_s=0.5))
     assert stop_servers(run_dir) and _wait_dead(pid)
 
 
@@ -352,3 +450,97 @@ def test_idle_watchdog_stops_an_unused_server(run_dir):
     assert _wait_dead(state.watchdog_pid)  # it exits right after removing the state
     assert server.read_state() is None
     assert os.path.exists(server.log_path)
+
+
+# ---------------------------------------------------------------- aborts (vLLM < 0.33 crashes on a queued one)
+def post_and_leave(port: int, prompt: list[int], wait_s: float = 0.3) -> None:
+    """Send a completion and close the connection before the answer: what a client timeout, Ctrl-C or a
+    killed job does."""
+    import socket
+
+    body = json.dumps({"model": "eagle3build-target", "prompt": prompt, "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(wait_s)
+
+
+def _post(port: int, prompt: list[int], timeout: float = 30) -> dict:
+    import requests
+
+    body = {"model": "eagle3build-target", "prompt": prompt, "max_tokens": 1}
+    return requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout).json()
+
+
+@pytest.mark.parametrize("version, crashes", [("0.25.0", True), ("0.33.0", False)])
+def test_the_fake_engine_dies_when_a_queued_request_is_aborted_before_0_33(run_dir, version, crashes):
+    """The fake reproduces the crash (so the tests below can catch a regression): a client that leaves
+    while its request waits in the engine's queue takes vLLM < 0.33 down for every client."""
+    import threading
+
+    server = VllmServer(run_dir, make_params(run_dir, env={"FAKE_VLLM_MAX_RUNNING": "1",
+                                                            "FAKE_VLLM_VERSION": version}))
+    set_fault(run_dir, "slow:1.5", 1)
+    with server.lease():
+        state = server.read_state()
+        def run_first():
+            with contextlib.suppress(OSError):  # a crashed engine answers nothing
+                _post(state.upstream_port, [1, 2, 3])
+
+        first = threading.Thread(target=run_first, daemon=True)
+        first.start()  # runs for 1.5 s in the only slot
+        time.sleep(0.3)
+        post_and_leave(state.upstream_port, [4, 5, 6])  # straight to vLLM: queued, then disconnected
+        first.join(timeout=10)
+        if crashes:
+            assert _wait_dead(state.pid)  # the relay exits with vLLM: the server is gone for everyone
+            assert "KeyError" in Path(state.log).read_text()
+        else:
+            assert _alive(state.pid) and _post(state.port, [7, 8])["kv_transfer_params"]
+
+
+def test_a_client_timeout_while_queued_leaves_the_server_running(run_dir, tmp_path):
+    """Requests reach vLLM through the relay, which keeps each one until vLLM answers: a client timing out
+    while its request is queued costs a retry, not the server."""
+    params = make_params(run_dir, request_timeout_s=1, retries=4, concurrency=3,
+                         env={"FAKE_VLLM_MAX_RUNNING": "1"})
+    set_fault(run_dir, "slow:2", 1)  # the first request holds the only slot past every client's timeout
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(5, 6, 7))
+    extract_shard_vllm(str(tokens), str(out), params, str(run_dir))
+
+    src, got = read_tokens(tokens), read_hidden(out)
+    for i in range(src.num_samples):
+        assert torch.equal(got.sample(i)[2], expected_hidden(src.sample(i)[0]))
+    state = _server_state(run_dir)
+    log = Path(state.log).read_text()
+    assert _alive(state.pid) and "KeyError" not in log and log.count("fake vllm serve: starting") == 1
+    assert "the client left before its answer" in log  # the timed-out requests did reach the engine
+    connector = VllmServer(run_dir, params).storage_path
+    deadline = time.monotonic() + 10  # the relay deletes the files of answers nobody waited for
+    while list(connector.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(connector.iterdir()) == []
+
+
+def test_a_killed_job_leaves_the_server_running(run_dir, tmp_path):
+    """SIGKILL closes a job's sockets with its requests queued: the server keeps serving the next job."""
+    import signal
+
+    params = make_params(run_dir, env={"FAKE_VLLM_MAX_RUNNING": "1"})
+    set_fault(run_dir, "slow:1.5", 1)
+    make_token_shard(tmp_path / "t0.safetensors", lengths=(4, 5, 6, 7))
+    argv = [str(tmp_path / "t0.safetensors"), str(tmp_path / "h0.safetensors"), json.dumps(params)]
+    job = subprocess.Popen([sys.executable, "-c", CLIENT, *argv, str(run_dir)], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while (_server_state(run_dir) is None or not _server_state(run_dir).upstream_port) and (
+            time.monotonic() < deadline):
+        time.sleep(0.1)
+    time.sleep(0.8)  # its requests are running and queued
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=10)
+    state = _server_state(run_dir)
+    make_token_shard(tmp_path / "t1.safetensors", seed=1)
+    extract_shard_vllm(str(tmp_path / "t1.safetensors"), str(tmp_path / "h1.safetensors"), params, str(run_dir))
+    assert _server_state(run_dir).pid == state.pid and _alive(state.pid)
+    assert "KeyError" not in Path(state.log).read_text()

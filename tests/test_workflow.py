@@ -135,7 +135,7 @@ def test_deleting_one_shard_plans_that_shard_only(built):
 def test_code_edit_keeps_hidden_states_but_version_bump_rebuilds(tmp_path, built):
     wd = tmp_path / "wf"
     shutil.copytree(built, wd, symlinks=True)
-    extract_py = wd / "eagle3build" / "extract.py"
+    extract_py = wd / "eagle3build" / "extraction" / "job.py"
     extract_py.write_text(extract_py.read_text() + "\n# an unrelated edit\n")
     assert plan(wd, base_config()) == {}
     # A `git pull` that changes how the rules hand their jobs over (their run: blocks) redoes nothing either:

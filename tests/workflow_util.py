@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,7 +14,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "schemas", "eagle3build", "profiles", "docs/report"]
+WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "schemas", "eagle3build", "profiles", "docs/report",
+                  "docker/base-image"]
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -71,3 +73,36 @@ def planned_outputs(workdir: Path, rule: str, config: str = "config.test.yaml") 
             if m:
                 outs += [o.strip() for o in m.group(1).split(",")]
     return outs
+
+
+# Builds the whole DAG (every job, as if nothing were built) through Snakemake's API and writes
+# {rule: [repr of the params of each distinct job]}: the values Snakemake stores and compares between runs.
+_PARAMS_SCRIPT = """
+import json, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings
+
+workdir, configfile, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+    workflow_api = api.workflow(snakefile=workdir / "Snakefile", workdir=workdir,
+                                resource_settings=ResourceSettings(cores=1),
+                                config_settings=ConfigSettings(configfiles=[Path(configfile)]))
+    workflow_api.dag(DAGSettings(forceall=True))
+    workflow = workflow_api._workflow
+    workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True)
+    workflow._build_dag()
+    params = {}
+    for job in workflow.dag.jobs:
+        params.setdefault(job.rule.name, set()).add(repr(dict(job.params.items())))
+Path(out).write_text(json.dumps({rule: sorted(values) for rule, values in params.items()}))
+"""
+
+
+def planned_params(workdir: Path, config: str = "config.test.yaml") -> dict[str, list[str]]:
+    """rule -> the params of its jobs (repr, as Snakemake compares them), for every job of the DAG."""
+    out = workdir / "params.json"
+    proc = subprocess.run([sys.executable, "-c", _PARAMS_SCRIPT, str(workdir), config, str(out)], cwd=workdir,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())

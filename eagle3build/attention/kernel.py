@@ -1,22 +1,21 @@
-"""TTT attention on a fused attention kernel built into torch: FlashAttention-2 or cuDNN, both varlen.
+"""TTT attention on a fused attention kernel built into torch: varlen FlashAttention-2 (`train.attention: flash`).
 
 The causal part (every query over the step-0 keys of its own sample) runs as one varlen attention: the
 packed samples are separate sequences, so no block across samples is computed. The diagonal keys of
-steps 1..s are folded in exactly, by flex's merge (`ttt.merge_forward`).
+steps 1..s are folded in exactly, by the merge flex uses too (`attention.merge.merge_forward`).
 
-Why a custom backward: the merge differentiates the causal part's log-sum-exp, and these kernels'
+Why a custom backward: the merge differentiates the causal part's log-sum-exp, and the kernel's
 backward takes no log-sum-exp gradient. It needs none: given the *merged* output O and log-sum-exp L,
 a kernel's backward computes exactly the causal keys' share of the merged softmax's gradient,
 dS_ij = exp(s_ij - L_i) (dO_i·v_j - dO_i·O_i), the identity ring attention relies on. So the forward
 keeps O and L of the whole softmax, the backward hands them to the kernel's backward, and the diagonal
-keys' share is a few elementwise ops (`_merge_backward`).
+keys' share is a few elementwise ops (`attention.merge.merge_backward`).
 
-The kernels are torch's own ops, aten::_flash_attention_forward/_backward and
-aten::_cudnn_attention_forward/_backward: torch's public `torch.nn.attention.varlen` calls them, but they
-are private and may change with torch. `check_kernel` compares a kernel with explicit math on a tiny
-problem in a second; training runs it before the first step, so a torch whose ops changed fails there
-with a message, not with wrong gradients. On CPU, `flash` runs torch's CPU flash kernel (dense, with
-the sample mask): the same algorithm, for tests.
+The kernel is torch's own op, aten::_flash_attention_forward/_backward: torch's public
+`torch.nn.attention.varlen` calls it, but it is private and may change with torch. `check_kernel`
+compares the kernel with explicit math on a tiny problem; training (and `make doctor`) runs it before
+the first step, so a torch whose ops changed fails there with a message, not with wrong gradients. On
+CPU, `flash` runs torch's CPU flash kernel (dense, with the sample mask): the same algorithm, for tests.
 """
 
 from __future__ import annotations
@@ -26,16 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle3build.ttt.core import (
-    _kernel,
-    grouped_heads,
-    merge_forward,
-    reference_attention,
-    stacked_diagonals,
-    token_major,
-)
+from eagle3build.attention.dense import reference_attention
+from eagle3build.attention.merge import merge_backward, merge_forward, stacked_diagonals, token_major
+from eagle3build.compilation import cached_compiled
 
-KERNELS = ("flash", "cudnn")
+KERNELS = ("flash",)
 
 
 @dataclass(frozen=True)
@@ -120,81 +114,13 @@ class FlashKernel:
         return _batched(dq), _batched(dk), _batched(dv)
 
 
-class CudnnKernel:
-    """cuDNN's fused attention, varlen (CUDA only). Its varlen path has no GQA: kv heads are repeated."""
-
-    name = "cudnn"
-    # layouts of the softmax statistics cuDNN's varlen path may return, each to [1, nh, N] and back (the
-    # forward picks the one that fits; check_kernel verifies that it means what it is taken to mean)
-    LSE_LAYOUTS = {
-        "N,nh,1": (lambda t: t[..., 0].T.unsqueeze(0), lambda t: t[0].T.unsqueeze(-1)),
-        "nh,N": (lambda t: t.unsqueeze(0), lambda t: t[0]),
-        "N,nh": (lambda t: t.T.unsqueeze(0), lambda t: t[0].T),
-        "1,nh,N": (lambda t: t, lambda t: t),
-        "1,nh,N,1": (lambda t: t[..., 0], lambda t: t.unsqueeze(-1)),
-    }
-
-    def __init__(self):
-        self.lse_layout = None  # as the forward found it
-        self.philox = None  # the forward's dropout seed and offset (no dropout: handed back unused)
-        self._expanded: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last two (kv, its heads repeated)
-
-    def expand(self, t: torch.Tensor, heads: int) -> torch.Tensor:
-        """_expand_kv, kept for the step-0 keys and values that every step of a batch reads."""
-        for source, expanded in self._expanded:
-            if source is t:
-                return expanded
-        expanded = _expand_kv(t, heads)
-        self._expanded = [*self._expanded[-1:], (t, expanded)]
-        return expanded
-
-    def forward(self, q, k, v, seg: Segments, scale: float):
-        heads = q.shape[1]
-        res = torch.ops.aten._cudnn_attention_forward(
-            _varlen(q), _varlen(self.expand(k, heads)), _varlen(self.expand(v, heads)), None, seg.cu, seg.cu,
-            seg.max_len, seg.max_len, True, 0.0, True, False, scale=scale,
-        )  # fmt: skip
-        sizes = {"N": seg.n, "nh": heads, "1": 1}
-        layouts = [x for x in self.LSE_LAYOUTS if tuple(sizes[d] for d in x.split(",")) == tuple(res[1].shape)]
-        if not layouts:
-            raise RuntimeError(f"cuDNN returned softmax statistics of shape {tuple(res[1].shape)} for {heads} heads, {seg.n} tokens")
-        self.lse_layout, self.philox = layouts[0], (res[6], res[7])
-        return _batched(res[0]), self.LSE_LAYOUTS[self.lse_layout][0](res[1])
-
-    def backward(self, dout, q, k, v, out, lse, seg: Segments, scale: float):
-        heads, kv_heads = q.shape[1], k.shape[1]
-        stats = self.LSE_LAYOUTS[self.lse_layout][1](lse).contiguous()
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            _varlen(dout), _varlen(q), _varlen(self.expand(k, heads)), _varlen(self.expand(v, heads)), _varlen(out),
-            stats, *self.philox, None, seg.cu, seg.cu, seg.max_len, seg.max_len, 0.0, True, scale=scale,  # None: no bias
-        )  # fmt: skip
-        return _batched(dq), _reduce_kv(_batched(dk), kv_heads), _reduce_kv(_batched(dv), kv_heads)
-
-
 def make_kernel(name):
     """A kernel by name (`KERNELS`), or a kernel object as it is."""
     if not isinstance(name, str):
         return name
     if name == "flash":
         return FlashKernel()
-    if name == "cudnn":
-        return CudnnKernel()
     raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
-
-
-# ---------------------------------------------------------------------------------------------- merge
-def _merge_backward(dout, q, out, lse, diag_k, diag_v, scale):
-    """The diagonal keys' share of the merged softmax's gradient: dq (fp32) and the diagonals' dk, dv."""
-    nkv = diag_k.shape[1]
-    delta = (dout.float() * out.float()).sum(-1)  # [1, nh, N]: what the kernel's backward computes too
-    qg, dog = grouped_heads(q, nkv).unsqueeze(-2), grouped_heads(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
-    diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
-    weights = torch.exp(diag_scores - grouped_heads(lse, nkv).unsqueeze(-1))
-    d_scores = weights * ((dog * diag_v.unsqueeze(2)).float().sum(-1) - grouped_heads(delta, nkv).unsqueeze(-1)) * scale
-    dq = (d_scores.unsqueeze(-1) * diag_k.unsqueeze(2).float()).sum(-2).flatten(1, 2)  # [1, nh, N, hd]
-    dk = (d_scores.unsqueeze(-1) * qg.float()).sum(2)  # [1, nkv, N, s, hd]
-    dv = (weights.unsqueeze(-1) * dog.float()).sum(2)
-    return dq, dk.to(diag_k.dtype), dv.to(diag_v.dtype)
 
 
 class _KernelMergedAttention(torch.autograd.Function):
@@ -211,7 +137,7 @@ class _KernelMergedAttention(torch.autograd.Function):
         if diag_k is None:
             out, lse = at_rows[0], at_rows[1]
         else:
-            out, lse = _kernel(merge_forward, compile, dynamic=None)(q, *at_rows, diag_k, diag_v, scale)
+            out, lse = cached_compiled(merge_forward, compile, dynamic=None)(q, *at_rows, diag_k, diag_v, scale)
         ctx.save_for_backward(q, every, k0, v0, diag_k, diag_v, out, lse, causal_lse, rows)
         ctx.kernel, ctx.seg, ctx.scale, ctx.compile = kernel, seg, scale, compile
         return out
@@ -231,7 +157,7 @@ class _KernelMergedAttention(torch.autograd.Function):
             dq = dq[:, :, rows]
         d_diag_k = d_diag_v = None
         if diag_k is not None:
-            dq_diag, d_diag_k, d_diag_v = _kernel(_merge_backward, ctx.compile, dynamic=None)(
+            dq_diag, d_diag_k, d_diag_v = cached_compiled(merge_backward, ctx.compile, dynamic=None)(
                 dout, q, out, lse, diag_k, diag_v, scale
             )
             dq = (dq.float() + dq_diag).to(q.dtype)
@@ -239,7 +165,7 @@ class _KernelMergedAttention(torch.autograd.Function):
 
 
 class KernelAttention:
-    """TTT attention (the `attention` callable of ttt_forward) on a fused kernel: `flash` or `cudnn`."""
+    """TTT attention (the `attention` callable of ttt_forward) on a fused kernel (`KERNELS`, or a kernel object)."""
 
     def __init__(self, kernel, compile: bool = False):
         self.kernel = make_kernel(kernel)
@@ -298,10 +224,9 @@ def check_kernel(kernel, device, dtype=torch.bfloat16, rtol: float = 3e-2) -> di
             ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
             ref = reference_attention(ref_leaves[0], ref_leaves[1:4], ref_leaves[4:], doc, 2, scale, rows)
             ref_grads = torch.autograd.grad(ref, ref_leaves, dout.float())
-        out, ref = out.detach().float(), ref.detach()
-        errors[f"{case}.out"] = float((out - ref).norm() / ref.norm())
+        errors[f"{case}.out"] = relative_error(out.detach(), ref.detach())
         for name, a, b in zip(["q", "k0", "k1", "k2", "v0", "v1", "v2"], grads, ref_grads, strict=True):
-            errors[f"{case}.d{name}"] = float((a.float() - b).norm() / b.norm())
+            errors[f"{case}.d{name}"] = relative_error(a, b)
     bad = {k: v for k, v in errors.items() if not v <= rtol}
     if bad:
         raise RuntimeError(
@@ -309,3 +234,8 @@ def check_kernel(kernel, device, dtype=torch.bfloat16, rtol: float = 3e-2) -> di
             f"{device} (relative errors {bad}, tolerance {rtol}). Set train.attention: flex"
         )
     return errors
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius norms, in fp32)."""
+    return float((got.float() - want.float()).norm() / want.float().norm())

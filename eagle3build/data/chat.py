@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.hf_target import target_path
 
 
 class TemplateError(Exception):
@@ -102,6 +103,16 @@ def load_tokenizer(
             "mask needs character offsets (return_offsets_mapping). Add a tokenizer.json to the model"
         )
     return tokenizer
+
+
+def load_target_tokenizer(target: dict):
+    """The target's tokenizer with its chat template (target['chat_template'], a Jinja file, overrides)."""
+    return load_tokenizer(
+        target_path(target),
+        revision=target.get("revision"),
+        trust_remote_code=bool(target.get("trust_remote_code", False)),
+        chat_template=target.get("chat_template"),
+    )
 
 
 # ---------------------------------------------------------------- spans

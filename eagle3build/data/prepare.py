@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -20,13 +19,6 @@ from eagle3build.atomic import atomic_path, write_json_atomic
 from eagle3build.data.formats import SkipRecord, iter_conversations, iter_jsonl
 from eagle3build.errors import UserError
 
-DEFAULTS = {
-    "format": "auto",  # datasets[i].format: auto | sharegpt | openai | alpaca | hh | questions
-    "split": None,  # datasets[i].split: the split of an hf: dataset (None = "train")
-    "max_samples": None,  # datasets[i].max_samples: read at most this many records (None = all)
-    "shard_size": 1000,  # prepare.shard_size: conversations per shard
-    "max_length": 2048,  # prepare.max_length: tokens per sample; longer samples are truncated
-}
 MAX_EXAMPLES = 10  # skipped/dropped records listed by location in a report
 TOKENIZE_BATCH = 256  # texts per call of the (Rust, multi-threaded) batch tokenizer
 
@@ -52,9 +44,9 @@ def split_dataset(
     """Normalize a dataset into JSONL shards; source record i goes to shard i // shard_size.
 
     `out_paths` are shards first_shard, first_shard + 1, ... of the `total_shards` the caller planned
-    (ceil(min(count_records(...), max_samples) / shard_size); default: exactly these). The workflow runs
-    one job per shard, so every rule has pattern outputs and a shard job reads only up to its range
-    (JSONL lines before it are skipped unparsed). Records are numbered by their position in the source
+    (`eagle3build.shardplan.plan_shards`; default: exactly these). The workflow runs one job per shard,
+    so every rule has pattern outputs and a shard job reads only up to its range (JSONL lines before it
+    are skipped unparsed). Records are numbered by their position in the source
     (ids f"{name}:{i}"), so a skipped record leaves a gap instead of shifting later records to another
     shard. The shards are written to temp files and renamed together, so a failure leaves none of them.
     """
@@ -111,11 +103,6 @@ def split_dataset(
                 f"check the dataset's format ('{fmt}')"
             )
     return report
-
-
-def plan_shards(count: int, shard_size: int, max_samples: int | None) -> int:
-    """Number of split shards for a source of `count` records."""
-    return math.ceil((count if max_samples is None else min(count, max_samples)) / shard_size)
 
 
 # ---------------------------------------------------------------- tokens

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -32,160 +31,12 @@ from pathlib import Path
 
 from eagle3build import FORMAT_VERSIONS
 from eagle3build.atomic import atomic_path, write_json_atomic
+from eagle3build.config import resolve_section
+from eagle3build.data.chat import load_target_tokenizer
 from eagle3build.data.formats import iter_jsonl
-from eagle3build.errors import ConfigError, UserError
-
-DEFAULTS = {
-    "backend": "hf",  # hf | openai
-    "temperature": 0.0,  # 0 = greedy
-    "top_p": 1.0,
-    "max_new_tokens": 1024,  # per assistant turn
-    "seed": 0,
-    "drop_truncated": False,  # drop conversations where a turn hit max_new_tokens
-    # hf backend
-    "batch_size": 8,  # rows per generate call
-    "batch_tokens": 262144,  # padded tokens per generate call: rows x (longest prompt + max_new_tokens)
-    "device": "auto",  # auto = cuda when available, else cpu
-    # openai backend
-    "url": "http://127.0.0.1:8000",
-    "model": None,  # served model name; None = the server's only model
-    "api_key_env": "OPENAI_API_KEY",  # name of the environment variable holding the key
-    "concurrency": 32,
-    "timeout_s": 600.0,  # per request
-    "max_retries": 5,
-    "retry_backoff_s": 1.0,  # first retry delay; doubles each retry, capped at 30 s
-    "max_failed_fraction": 0.05,  # more failures than this fails the job (partial file kept)
-}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Target loading (shared with evaluate.py)
-
-
-def target_path(target: dict) -> str:
-    path = target.get("path") or target.get("model")
-    if not path:
-        raise ConfigError("target.model", "is empty; give a local model dir or a hub id")
-    return str(path)
-
-
-def load_target_tokenizer(target: dict):
-    """The target's tokenizer with its chat template (target['chat_template'], a Jinja file, overrides)."""
-    from eagle3build.data.chat import load_tokenizer
-
-    return load_tokenizer(
-        target_path(target),
-        revision=target.get("revision"),
-        trust_remote_code=bool(target.get("trust_remote_code", False)),
-        chat_template=target.get("chat_template"),
-    )
-
-
-def resolve_device(device: str = "auto"):
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_target_model(target: dict, device):
-    """Causal LM in eval mode on `device`: bf16 on GPU, fp32 on CPU unless target['dtype'] says otherwise."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = target.get("dtype") or "auto"
-    if dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        target_path(target),
-        revision=target.get("revision"),
-        trust_remote_code=bool(target.get("trust_remote_code", False)),
-        dtype=dtype,
-    )
-    return model.to(device).eval()
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if not eos:
-        raise UserError(f"'{model.name_or_path}' defines no eos token; generation could never stop")
-    return eos
-
-
-# ---------------------------------------------------------------------------------------------------
-# Replaying one conversation
-
-
-class Replay:
-    """Walks a conversation's user turns; the target writes each assistant turn.
-
-    `next_prompt()` gives the messages to answer next (None when the conversation is done);
-    `add_answer()` records the target's answer, which becomes context for the next user turn.
-    """
-
-    def __init__(self, sample: dict):
-        self.sample = sample
-        self.context: list[dict] = []
-        self.user_turns: list[dict] = []
-        self.cut_at_tool = False
-        for message in sample["messages"]:
-            role = message.get("role")
-            if role == "tool":
-                self.cut_at_tool = True
-                break
-            if role == "user":
-                self.user_turns.append(message)
-            elif role == "system" and not self.user_turns:
-                self.context.append(message)
-            # dataset assistant answers (and any later system message) are discarded
-        self.turns_done = 0
-        self.truncated = False
-        self.ended_by_tool_call = False
-
-    @property
-    def tools(self) -> list | None:
-        return self.sample.get("tools") or None
-
-    def next_prompt(self) -> list[dict] | None:
-        if self.ended_by_tool_call or self.turns_done == len(self.user_turns):
-            return None
-        if len(self.context) == 0 or self.context[-1].get("role") != "user":
-            self.context.append(self.user_turns[self.turns_done])
-        return self.context
-
-    def add_answer(self, content: str, truncated: bool, tool_calls: list | None = None) -> None:
-        message = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-            self.ended_by_tool_call = True
-        self.context.append(message)
-        self.turns_done += 1
-        self.truncated |= truncated
-
-    STATE_KEYS = ("context", "turns_done", "truncated", "ended_by_tool_call")
-
-    def state(self) -> dict:
-        """What a resume needs to continue this conversation after its last finished turn."""
-        return {key: getattr(self, key) for key in self.STATE_KEYS}
-
-    def restore(self, state: dict) -> Replay:
-        self.context = list(state["context"])
-        self.turns_done = int(state["turns_done"])
-        self.truncated = bool(state["truncated"])
-        self.ended_by_tool_call = bool(state["ended_by_tool_call"])
-        return self
-
-    def result(self) -> dict:
-        out = {k: v for k, v in self.sample.items() if k != "messages"}
-        out["messages"] = self.context
-        return {"sample": out, "truncated": self.truncated, "cut_at_tool": self.cut_at_tool}
-
+from eagle3build.data.replay import PartialFile, Replay
+from eagle3build.errors import UserError
+from eagle3build.hf_target import eos_token_ids, load_target_model, resolve_device, target_path
 
 # ---------------------------------------------------------------------------------------------------
 # Backends: each yields (index, result dict) or (index, Exception) as conversations finish
@@ -353,81 +204,6 @@ class OpenAIBackend:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Resume file
-
-
-class PartialFile:
-    """Finished turns, one JSON line each, after a header line with a fingerprint of the job.
-
-    A line is either a finished conversation ({"index", "result"}) or the state of an unfinished one
-    after a turn ({"index", "progress"}; the last one of an index counts). A kill can leave a
-    half-written last line: lines that do not parse are ignored. A file written for another input or
-    other generation settings is discarded rather than mixed in.
-    """
-
-    def __init__(self, path: str, fingerprint: str):
-        self.path = Path(path)
-        self.fingerprint = fingerprint
-        self._lock = threading.Lock()  # the openai backend appends from its worker threads
-
-    def load(self) -> tuple[dict[int, dict], dict[int, dict]]:
-        """(results of finished conversations, progress of unfinished ones) by sample index."""
-        if not self.path.exists():
-            return {}, {}
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        try:
-            header = json.loads(lines[0]) if lines else {}
-        except json.JSONDecodeError:
-            header = {}
-        if header.get("fingerprint") != self.fingerprint:
-            print(
-                f"regenerate: ignoring {self.path} (written for another input or settings)", file=sys.stderr
-            )
-            return {}, {}
-        done, progress = {}, {}
-        for line in lines[1:]:
-            try:
-                record = json.loads(line)
-                index = int(record["index"])
-                if "result" in record:
-                    done[index] = record["result"]
-                else:
-                    state = record["progress"]
-                    progress[index] = {k: state[k] for k in Replay.STATE_KEYS}
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue
-        return done, {i: state for i, state in progress.items() if i not in done}
-
-    def start(self, done: dict[int, dict], progress: dict[int, dict]) -> None:
-        """Rewrite the file with only its valid records, so appends never follow a torn line."""
-        with atomic_path(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
-            for index, result in sorted(done.items()):
-                f.write(json.dumps({"index": index, "result": result}, ensure_ascii=False) + "\n")
-            for index, state in sorted(progress.items()):
-                f.write(json.dumps({"index": index, "progress": state}, ensure_ascii=False) + "\n")
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-
-    def _write(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False) + "\n"
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-
-    def append(self, index: int, result: dict) -> None:
-        self._write({"index": index, "result": result})
-
-    def append_progress(self, index: int, replay: Replay) -> None:
-        self._write({"index": index, "progress": replay.state()})
-
-    def close(self) -> None:
-        self._file.close()
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Stage entry point
 
 
@@ -452,22 +228,11 @@ def _fingerprint(in_path: str, target: dict, params: dict) -> str:
     return digest.hexdigest()
 
 
-def _check_params(params: dict) -> None:
-    if params["backend"] not in ("hf", "openai"):
-        raise ConfigError("regenerate.backend", f"'{params['backend']}' is not one of hf, openai")
-    for key in ("max_new_tokens", "batch_size", "batch_tokens", "concurrency"):
-        if int(params[key]) < 1:
-            raise ConfigError(f"regenerate.{key}", f"must be >= 1, got {params[key]}")
-    if not 0 < float(params["top_p"]) <= 1:
-        raise ConfigError("regenerate.top_p", f"must be in (0, 1], got {params['top_p']}")
-    if float(params["temperature"]) < 0:
-        raise ConfigError("regenerate.temperature", f"must be >= 0, got {params['temperature']}")
-
-
 def regenerate_shard(in_path: str, out_path: str, out_report: str, target: dict, params: dict) -> dict:
-    """Write `out_path` (same format as `in_path`, assistant turns by the target) and a JSON report."""
-    params = {**DEFAULTS, **params}
-    _check_params(params)
+    """Write `out_path` (same format as `in_path`, assistant turns by the target) and a JSON report.
+
+    `params`: the `regenerate` config section (unset keys take the schema's defaults)."""
+    params = resolve_section("regenerate", params)
     samples = read_conversations(in_path)
     skipped = [i for i, s in enumerate(samples) if not Replay(s).user_turns]
     partial = PartialFile(out_path + ".partial.jsonl", _fingerprint(in_path, target, params))

@@ -18,15 +18,11 @@ from safetensors import safe_open
 
 from eagle3build import FORMAT_VERSIONS
 from eagle3build.atomic import atomic_path, save_safetensors_atomic, write_json_atomic
+from eagle3build.config import resolve_section
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
-from eagle3build.draft.target import load_target_head, read_target_config
+from eagle3build.draft.target import load_target_head, read_target_config, rope_theta_of
 from eagle3build.errors import UserError
 
-DEFAULTS = {
-    "dtype": "bfloat16",  # bfloat16 | float16 | float32: dtype of the exported weights
-    "include_embed_tokens": False,
-    "speculators": False,  # also write out_dir/speculators/ (speculators' eagle3 format)
-}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHT_NAMES = (
     "fc.weight",
@@ -134,10 +130,10 @@ def _read_weights(weights_path: str) -> tuple[dict[str, torch.Tensor], DraftConf
 def export(
     weights_path: str, mapping_path: str, target_path: str, out_dir: str, params: dict | None = None
 ) -> None:
-    """Write out_dir/eagle3/{config.json, model.safetensors} (+ out_dir/speculators/ if asked)."""
-    p = {**DEFAULTS, **(params or {})}
-    if p["dtype"] not in _DTYPES:
-        raise UserError(f"config key 'export.dtype': {p['dtype']!r} is not one of {sorted(_DTYPES)}")
+    """Write out_dir/eagle3/{config.json, model.safetensors} (+ out_dir/speculators/ if asked).
+
+    `params`: the `export` config section (unset keys take the schema's defaults)."""
+    p = resolve_section("export", params)
     dtype = _DTYPES[p["dtype"]]
     tensors, c = _read_weights(weights_path)
     with safe_open(str(mapping_path), framework="pt") as f:
@@ -187,30 +183,20 @@ def _write_dir(path: Path, config: dict, tensors: dict) -> None:
             shutil.rmtree(path)
 
 
-def load_exported(
-    path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32, target_path: str | None = None
-) -> Eagle3Draft:
-    """Rebuild the draft from an exported eagle3/ dir (or its parent). embed_tokens comes from the
-    checkpoint when present, else from the target (target_path, or the path recorded at export)."""
-    path = Path(path)
-    if not (path / "config.json").exists() and (path / "eagle3" / "config.json").exists():
-        path = path / "eagle3"
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path / 'config.json'}: unreadable exported config ({e}); rerun export") from e
+def _draft_config(config: dict, where: Path) -> DraftConfig:
+    """The draft shape of an exported config.json: ours records it whole, other exporters' standard keys."""
     ours = config.get("eagle3build") or {}
     if "draft_config" in ours:
-        c = DraftConfig.from_dict(ours["draft_config"])
-    else:  # a checkpoint from elsewhere: the standard keys say it all
-        c = DraftConfig(
+        return DraftConfig.from_dict(ours["draft_config"])
+    try:  # a checkpoint from elsewhere: the standard keys say it all
+        return DraftConfig(
             hidden_size=config["hidden_size"],
             num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
             head_dim=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
             intermediate_size=config["intermediate_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", 10000.0),
+            rope_theta=rope_theta_of(config),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             vocab_size=config["vocab_size"],
             draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
@@ -218,22 +204,53 @@ def load_exported(
             aux_layer_ids=config.get("eagle_aux_hidden_state_layer_ids", []),
             norm_before_residual=config.get("norm_before_residual", False),
         )
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    model = Eagle3Draft(c)
+    except KeyError as e:
+        raise UserError(f"{where}: key {e} is missing; not an EAGLE-3 draft config") from e
+
+
+def read_exported(path: str | os.PathLike) -> tuple[Path, dict, DraftConfig, dict[str, torch.Tensor]]:
+    """The one reader of the exported EAGLE-3 layout (ours, or another exporter's: config.json +
+    model.safetensors as vLLM and SGLang load them). Returns the folder (`path` or its eagle3/), its
+    config.json, the draft config and the tensors under this package's names: `layers.0.*` (how vLLM
+    and some exporters name the decoder layer) read as `midlayer.*`, and d2t/t2d made for K == V heads
+    that omit them. embed_tokens only when the checkpoint ships it."""
+    path = Path(path)
+    if not (path / "config.json").exists() and (path / "eagle3" / "config.json").exists():
+        path = path / "eagle3"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / 'config.json'}: unreadable exported config ({e}); rerun export") from e
+    c = _draft_config(config, path / "config.json")
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise UserError(f"{path / 'model.safetensors'}: unreadable weights ({e})") from e
+    tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
     if "d2t" not in tensors:  # K == V: the identity mapping
         tensors["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
     if "t2d" not in tensors:
         tensors["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool)
         tensors["t2d"][torch.arange(c.draft_vocab_size) + tensors["d2t"]] = True
+    return path, config, c, tensors
+
+
+def load_exported(
+    path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32, target_path: str | None = None
+) -> Eagle3Draft:
+    """Rebuild the draft from an exported eagle3/ dir (or its parent). embed_tokens comes from the
+    checkpoint when present, else from the target (target_path, or the path recorded at export)."""
+    path, config, c, tensors = read_exported(path)
     if "embed_tokens.weight" not in tensors:
-        source = target_path or ours.get("target")
+        source = target_path or (config.get("eagle3build") or {}).get("target")
         if not source or not Path(source).exists():
             raise UserError(
                 f"{path}: the checkpoint has no embed_tokens and the target ({source}) is not found; "
                 "pass target_path="
             )
         tensors["embed_tokens.weight"] = load_target_head(source).embed_tokens
+    model = Eagle3Draft(c)
     model.load_state_dict(
         {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True
     )

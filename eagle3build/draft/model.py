@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3build.draft.target import TargetHead, default_aux_layer_ids, rms_norm
+from eagle3build.config import default_aux_layer_ids
+from eagle3build.draft.target import TargetHead, rms_norm
 from eagle3build.errors import ConfigError
 
 
@@ -232,8 +233,8 @@ class Eagle3Draft(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, 3*Ht] (low, mid, high layers concatenated) -> [B, T, H]."""
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, 3*Ht] (low, mid, high layers concatenated) -> the layer's input hidden [B, T, H] (`fc`)."""
         return self.fc(aux)
 
     def fused_weights(self, dtype: torch.dtype | None = None) -> FusedWeights:

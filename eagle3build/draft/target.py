@@ -38,23 +38,20 @@ class TargetHead:
     embed_tokens: torch.Tensor  # [V, H]
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the embedding itself for tied targets)
-    hidden_size: int
     vocab_size: int
+    hidden_size: int
     num_hidden_layers: int
+    rms_norm_eps: float
+    # the shape of one decoder layer (the draft's own unless overridden)
+    intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
+    rope_theta: float
     model_type: str = "llama"
     tie_word_embeddings: bool = False
     config: dict = field(default_factory=dict, repr=False)
-
-    def final_norm(self, final_stream: torch.Tensor) -> torch.Tensor:
-        """The target's final RMSNorm (Llama semantics: normalise in fp32, scale in the input dtype)."""
-        return rms_norm(final_stream, self.norm, self.rms_norm_eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,12 +85,6 @@ def rope_theta_of(config: dict) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(config.get("rope_theta", 10000.0))
-
-
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers (2, N//2, N-3), as vLLM and SGLang assume."""
-    n = num_hidden_layers
-    return [2, n // 2, n - 3]
 
 
 def _weight_files(target_path: Path) -> dict[str, Path]:

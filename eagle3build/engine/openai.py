@@ -1,24 +1,17 @@
-"""A small client for OpenAI-compatible chat endpoints (`vllm serve`, SGLang): timeouts, retries.
+"""A small client for OpenAI-compatible chat endpoints (`vllm serve`, SGLang), on `engine.http`.
 
-Only `/v1/models` and `/v1/chat/completions` are used. A request is retried with exponential backoff
-(plus jitter) on what a busy or restarting server produces: connection errors, timeouts, HTTP 408 / 429 /
-5xx and bodies that are not a chat completion. Other 4xx answers (a prompt longer than the context, a
-wrong model name) fail at once: asking again would get the same answer.
+Only `/v1/models` and `/v1/chat/completions` are used. A chat request is retried with exponential backoff
+(plus jitter) on what a busy or restarting server produces (`engine.http.with_retries`), including bodies
+that are not a chat completion; other 4xx answers fail at once.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import threading
-import time
 from dataclasses import dataclass
 
-import requests
-
+from eagle3build.engine.http import GaveUp, HttpError, JsonClient, Rejected, with_retries
 from eagle3build.errors import UserError
-
-RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 class RequestFailed(Exception):
@@ -38,44 +31,38 @@ def normalize_base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-class ChatClient:
-    """Thread-safe: each thread gets its own `requests.Session` (connection pool)."""
+def _chat_answer(reply: dict) -> ChatAnswer:
+    choice = reply["choices"][0]
+    message = choice["message"]
+    return ChatAnswer(
+        content=message.get("content") or "",
+        tool_calls=message.get("tool_calls") or None,
+        finish_reason=choice.get("finish_reason") or "stop",
+    )
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str | None = None,
-        api_key_env: str | None = "OPENAI_API_KEY",
-        timeout_s: float = 600.0,
-        max_retries: int = 5,
-        backoff_s: float = 1.0,
-        backoff_max_s: float = 30.0,
-    ):
+
+class ChatClient:
+    """Thread-safe. The settings are the config section `regenerate`'s (url, model, api_key_env,
+    timeout_s, max_retries, retry_backoff_s)."""
+
+    def __init__(self, base_url: str, model: str | None, api_key_env: str | None, timeout_s: float,
+                 max_retries: int, backoff_s: float):
         self.base_url = normalize_base_url(base_url)
         self.model = model
-        self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
         # The key is read from the environment, never from the config (configs end up in git and logs).
         api_key = os.environ.get(api_key_env) if api_key_env else None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._local = threading.local()
-
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-            self._local.session.headers.update(self._headers)
-        return self._local.session
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.http = JsonClient(self.base_url, timeout_s, headers)
 
     def served_models(self) -> list[str]:
         """The model names the server serves; a UserError when nothing answers at base_url."""
         url = f"{self.base_url}/v1/models"
         try:
-            response = self._session().get(url, timeout=min(self.timeout_s, 30.0))
-            response.raise_for_status()
-            return [m["id"] for m in response.json()["data"]]
-        except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+            models = self.http.get_json("/v1/models", timeout_s=min(self.http.timeout_s, 30.0))
+            return [m["id"] for m in models["data"]]
+        except (HttpError, KeyError, TypeError) as e:
             raise UserError(
                 f"no OpenAI-compatible server answers at {url} ({e}); start one (e.g. `vllm serve MODEL`) "
                 "or fix the config key regenerate.url"
@@ -103,40 +90,10 @@ class ChatClient:
         body = {"model": self.model, "messages": messages, **sampling}
         if tools:
             body["tools"] = tools
-        last_error = "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-                time.sleep(delay * random.uniform(0.5, 1.0))
-            try:
-                return self._post_chat(body)
-            except _Retryable as e:
-                last_error = str(e)
-        raise RequestFailed(f"{last_error} (gave up after {self.max_retries + 1} attempts)")
-
-    def _post_chat(self, body: dict) -> ChatAnswer:
-        url = f"{self.base_url}/v1/chat/completions"
         try:
-            response = self._session().post(url, json=body, timeout=self.timeout_s)
-        except requests.Timeout as e:
-            raise _Retryable(f"timed out after {self.timeout_s} s") from e
-        except requests.RequestException as e:
-            raise _Retryable(f"request error: {e}") from e
-        if response.status_code in RETRYABLE_STATUS:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code != 200:
-            raise RequestFailed(f"HTTP {response.status_code}: {response.text[:500]}")
-        try:
-            choice = response.json()["choices"][0]
-            message = choice["message"]
-            return ChatAnswer(
-                content=message.get("content") or "",
-                tool_calls=message.get("tool_calls") or None,
-                finish_reason=choice.get("finish_reason") or "stop",
+            return with_retries(
+                lambda: self.http.post_json("/v1/chat/completions", body, _chat_answer, "a chat completion"),
+                self.max_retries, self.backoff_s, jitter=True,
             )
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-            raise _Retryable(f"not a chat completion: {response.text[:200]!r}") from e
-
-
-class _Retryable(Exception):
-    pass
+        except (GaveUp, Rejected) as e:
+            raise RequestFailed(str(e)) from e

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from eagle3build.draft.model import Eagle3Draft, attention_scale
-from eagle3build.ttt.core import shift
+from eagle3build.ttt.batch import shift
 
 
 @torch.inference_mode()
@@ -34,7 +34,7 @@ def chain_proposals(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor,
     scale = attention_scale(c)
     positions = torch.arange(T, device=device)
     causal = positions[None, :] <= positions[:, None]  # [T, T]
-    hidden = draft.fuse(aux[None].to(next(draft.parameters()).dtype))
+    hidden = draft.project_aux(aux[None].to(next(draft.parameters()).dtype))
     groups = c.num_attention_heads // c.num_key_value_heads
     keys, values, out = [], [], []
     for s in range(k):

@@ -35,25 +35,12 @@ from tqdm import tqdm
 
 from eagle3build import FORMAT_VERSIONS
 from eagle3build.atomic import atomic_path, write_json_atomic
+from eagle3build.config import resolve_section
+from eagle3build.data.chat import load_target_tokenizer
 from eagle3build.data.formats import iter_jsonl
-from eagle3build.data.regenerate import (
-    eos_token_ids,
-    load_target_model,
-    load_target_tokenizer,
-    resolve_device,
-    target_path,
-)
-from eagle3build.errors import ConfigError, UserError
+from eagle3build.errors import UserError
 from eagle3build.evaluate.acceptance import acceptance_for_sequence
-
-DEFAULTS = {
-    "k": [1, 2, 3, 4, 5, 6, 7],  # draft lengths to evaluate
-    "max_new_tokens": 256,  # per turn
-    "max_samples": None,  # questions per set (first N); None = all
-    "device": "auto",  # auto = cuda when available, else cpu
-    "sequential_k": None,  # k values also run through the sequential loop (timing, losslessness); None = all
-}
-
+from eagle3build.hf_target import eos_token_ids, load_target_model, resolve_device, target_path
 
 # ---------------------------------------------------------------------------------------------------
 # Metrics
@@ -166,7 +153,7 @@ def speculative_generate(
         # 1. Consume the verified positions: input at t is (x[t+1], fc(aux[t])).
         tokens = torch.tensor([sequence[consumed_to + 1 : pos + 1]], device=device)
         positions = torch.arange(consumed_to, pos, device=device).unsqueeze(0)
-        hidden, draft_cache = draft.layer(tokens, draft.fuse(new_aux), positions, draft_cache)
+        hidden, draft_cache = draft.layer(tokens, draft.project_aux(new_aux), positions, draft_cache)
         consumed_to = pos
         # 2. Draft k tokens. Drafted positions go into a scratch cache that is dropped after this round
         #    (= cropping the draft's cache back to `consumed_to`).
@@ -354,16 +341,6 @@ def plot(results: dict, out_png: str) -> None:
     plt.close(fig)
 
 
-def _check_params(params: dict) -> list[int]:
-    ks = params["k"]
-    ks = [ks] if isinstance(ks, int) else list(ks)
-    if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
-        raise ConfigError("evaluate.k", f"must be a list of integers >= 1, got {params['k']}")
-    if int(params["max_new_tokens"]) < 1:
-        raise ConfigError("evaluate.max_new_tokens", f"must be >= 1, got {params['max_new_tokens']}")
-    return sorted(set(ks))
-
-
 def load_draft(draft_dir: str, target: dict, device: torch.device, dtype: torch.dtype):
     """The exported draft; a checkpoint without embed_tokens takes the target's (a local target dir)."""
     from eagle3build.draft.export import load_exported
@@ -375,9 +352,11 @@ def load_draft(draft_dir: str, target: dict, device: torch.device, dtype: torch.
 def evaluate(
     draft_dir: str, target: dict, eval_sets: list[dict], out_json: str, out_png: str, params: dict
 ) -> dict:
-    """Evaluate the exported draft in `draft_dir` on question files; write metrics JSON and a plot."""
-    params = {**DEFAULTS, **params}
-    ks = _check_params(params)
+    """Evaluate the exported draft in `draft_dir` on question files; write metrics JSON and a plot.
+
+    `params`: keys of the `evaluate` config section (unset keys take the schema's defaults)."""
+    params = resolve_section("evaluate", params)
+    ks = sorted(set(params["k"]))
     device = resolve_device(params["device"])
     tokenizer = load_target_tokenizer(target)
     model = load_target_model(target, device)
@@ -390,6 +369,7 @@ def evaluate(
     max_samples = params["max_samples"]
     results = {
         "format_version": FORMAT_VERSIONS["evaluate"],
+        "backend": "hf",
         "draft": str(draft_dir),
         "target": target_path(target),
         "device": str(device),

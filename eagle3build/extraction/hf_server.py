@@ -7,7 +7,8 @@ so no logits and no extra hidden states are materialised. Samples are sorted by 
 under a token budget (right padding never changes a causal model's states at real positions); only
 real tokens are stored, packed back to back, by a writer thread that overlaps disk writes with compute.
 
-`serve` runs it behind the socket of `eagle3build.extraction.job` (the shard jobs' side, which imports no torch).
+`serve` runs it behind a socket (`eagle3build.extraction.protocol`) for the shard jobs
+(`eagle3build.extraction.job`, which imports no torch).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3build.atomic import write_json_atomic
+from eagle3build.engine.process import start_ticks
 from eagle3build.errors import UserError
-from eagle3build.extraction.job import _recv, _send
+from eagle3build.extraction.protocol import recv_message, send_message
 from eagle3build.shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
 
 
@@ -101,7 +104,7 @@ class Extractor:
         return torch.stack([self._captured[s].flatten(0, 1).index_select(0, rows) for s in range(4)], dim=1)
 
     def extract_shard(self, tokens_path: str, out_path: str, storage_dtype: str, batch_tokens: int,
-                      max_batch_size: int = 64, meta: dict | None = None, progress: bool = True) -> dict:
+                      max_batch_size: int, meta: dict | None = None, progress: bool = True) -> dict:
         shard = read_tokens(tokens_path)
         lengths = shard.lengths
         meta = {"model": str(self.model_id), "revision": self.revision or "", "layer_ids": self.layer_ids,
@@ -169,7 +172,7 @@ def _version(path: str) -> tuple[int, int]:
 @functools.cache
 def _num_tokens(path: str, mtime_ns: int, size: int) -> int:
     """A token shard's token count, read once per version of the file: the server checks the disk for every
-    pending shard before each job's shard (0.3 s of header reads at 10,000 shards; a stat each once cached)."""
+    pending shard before each job's shard (a stat per shard once cached, instead of a header read)."""
     return int(read_meta(path)["num_tokens"])
 
 
@@ -189,12 +192,9 @@ def serve(identity: dict, state_file: str, idle_s: float) -> None:
     token = secrets.token_hex(16)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(1.0)
-    state = {"pid": os.getpid(), "port": listener.getsockname()[1], "token": token, "identity": identity}
-    tmp = Path(state_file).with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    os.replace(tmp, state_file)
+    state = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "port": listener.getsockname()[1],
+             "token": token, "identity": identity}
+    write_json_atomic(state_file, state)  # private (0600): it holds the token
     print(f"extraction server ready: {identity} on port {state['port']}", flush=True)
     last = time.monotonic()
     while time.monotonic() - last < idle_s:
@@ -205,22 +205,22 @@ def serve(identity: dict, state_file: str, idle_s: float) -> None:
         with conn:
             conn.settimeout(None)
             try:
-                req = _recv(conn)
+                req = recv_message(conn)
                 if req.get("token") != token:
-                    _send(conn, {"ok": False, "error": "bad token"})
+                    send_message(conn, {"ok": False, "error": "bad token"})
                     continue
                 print(f"extract {req['tokens']} -> {req['out']}", flush=True)
                 stats = run_request(extractor, req)
                 print(f"done {stats}", flush=True)
-                _send(conn, {"ok": True, **stats})
+                send_message(conn, {"ok": True, **stats})
             except UserError as e:
-                _send(conn, {"ok": False, "error": str(e), "user_error": True})
+                send_message(conn, {"ok": False, "error": str(e), "user_error": True})
             except Exception as e:  # report to the client, keep serving
                 import traceback
 
                 traceback.print_exc()
                 with contextlib.suppress(OSError):
-                    _send(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                    send_message(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         last = time.monotonic()
     print("idle timeout: exiting", flush=True)
     with contextlib.suppress(FileNotFoundError):

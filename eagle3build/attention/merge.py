@@ -1,0 +1,90 @@
+"""The diagonal merge: fold the keys of TTT steps 1..s into a causal attention result, exactly.
+
+At step s a query at row p sees the step-0 keys of its sample (causal) and one key of each later step,
+the one at p itself (the "diagonal"). The softmax over [causal keys] ∪ [diagonals] is a convex
+combination of the causal output (weight exp(lse_c)) and each diagonal value (weight exp(q·k_i * scale)),
+normalised together. The diagonal scores are N dot products per head, so the merge costs O(N·s·hd)
+instead of attention over (s+1)·N keys, and the causal part can run on any kernel that returns its
+log-sum-exp (attention.flex, attention.kernel).
+
+Shapes: q, outputs [1, nh, N, hd]; log-sum-exps [1, nh, N] (fp32, natural log, scale applied); stacked
+diagonals [1, nkv, N, s, hd]; query heads grouped by their kv head [1, nkv, g, N, ...] (g = nh / nkv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3build.compilation import cached_compiled
+
+
+def grouped_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, nh, N, ...] -> [b, nkv, g, N, ...]: query heads grouped by their kv head."""
+    b, h, *rest = t.shape
+    return t.view(b, kv_heads, h // kv_heads, *rest)
+
+
+def token_major(t: torch.Tensor) -> torch.Tensor:
+    """[1, N, heads, d] memory seen as [1, heads, N, d]: the layout the varlen kernels read and write
+    without copies, and the one o_proj reads (attn_out.transpose(1, 2) is then a view)."""
+    return t.transpose(1, 2)
+
+
+def stacked_diagonals(keys, values, compile: bool = False):
+    """The diagonal keys/values of steps 1..s stacked, [1, nkv, N, s, hd] each. compile: their s dim
+    marked dynamic, so the merge's kernels compile once for all steps (s = 1 is specialised: size-1
+    dims always are)."""
+    diag_k, diag_v = torch.stack(keys, dim=-2), torch.stack(values, dim=-2)
+    if compile and len(keys) > 1:
+        torch._dynamo.mark_dynamic(diag_k, 3)
+        torch._dynamo.mark_dynamic(diag_v, 3)
+    return diag_k, diag_v
+
+
+def merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale):
+    """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
+    (output and log-sum-exp of the causal attention) and the diagonals diag_k/diag_v [1, nkv, N, s, hd].
+    merge_diagonal differentiates it with autograd; attention.kernel pairs it with `merge_backward`."""
+    nkv = diag_k.shape[1]
+    diag_scores = (grouped_heads(q, nkv).unsqueeze(-2) * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
+    scores = torch.cat((grouped_heads(causal_lse, nkv).unsqueeze(-1).float(), diag_scores), dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
+    weights = torch.exp(scores - lse.unsqueeze(-1))
+    out = weights[..., :1] * grouped_heads(causal_out, nkv).float() + (
+        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
+    ).sum(-2)
+    return token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
+
+
+def merge_backward(dout, q, out, lse, diag_k, diag_v, scale):
+    """The diagonal keys' share of the merged softmax's gradient, given the merged output `out` and
+    log-sum-exp `lse`: dq (fp32) and the diagonals' dk, dv. (The causal keys' share is what a kernel's
+    backward computes from the same `out` and `lse`: attention.kernel.)"""
+    nkv = diag_k.shape[1]
+    delta = (dout.float() * out.float()).sum(-1)  # [1, nh, N]: what the kernel's backward computes too
+    qg, dog = grouped_heads(q, nkv).unsqueeze(-2), grouped_heads(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
+    diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
+    weights = torch.exp(diag_scores - grouped_heads(lse, nkv).unsqueeze(-1))
+    d_scores = weights * ((dog * diag_v.unsqueeze(2)).float().sum(-1) - grouped_heads(delta, nkv).unsqueeze(-1)) * scale
+    dq = (d_scores.unsqueeze(-1) * diag_k.unsqueeze(2).float()).sum(-2).flatten(1, 2)  # [1, nh, N, hd]
+    dk = (d_scores.unsqueeze(-1) * qg.float()).sum(2)  # [1, nkv, N, s, hd]
+    dv = (weights.unsqueeze(-1) * dog.float()).sum(2)
+    return dq, dk.to(diag_k.dtype), dv.to(diag_v.dtype)
+
+
+def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool = False):
+    """Fold the diagonal keys of steps 1..s into a causal attention result, exactly (the module doc).
+    Gradients reach q and the causal keys through `causal_lse`.
+
+    q, causal_out [1, nh, N, hd]; causal_lse [1, nh, N] (natural log, scale applied);
+    keys/values: s tensors [1, nkv, N, hd]. compile: one fused kernel (the number of diagonals is
+    a dynamic dimension, so all steps share a compilation).
+    """
+    if not keys:
+        return causal_out
+    diag_k, diag_v = stacked_diagonals(keys, values, compile)
+    return cached_compiled(_merge, compile, dynamic=None)(q, causal_out, causal_lse, diag_k, diag_v, scale)
+
+
+def _merge(q, causal_out, causal_lse, diag_k, diag_v, scale):
+    return merge_forward(q, causal_out, causal_lse, diag_k, diag_v, scale)[0]  # differentiable in all inputs

@@ -1,0 +1,47 @@
+"""TTT attention as one causal attention over the step-0 keys + the exact merge of the diagonals.
+
+`MergedAttention` holds what every such implementation shares (queries at the step rows, the merge);
+a subclass supplies the causal part: `MathMergedAttention` with explicit math here, `FlexAttention`
+(attention.flex) with flex attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3build.attention.dense import dense_scores, step_mask
+from eagle3build.attention.merge import merge_diagonal
+
+
+class MergedAttention:
+    """TTT attention as one causal attention over the step-0 keys + an exact LSE merge of the diagonals.
+
+    The step-0 keys/values are computed once (step 0) and reused by every step; only the queries
+    change. Subclasses supply `causal` (output and log-sum-exp of doc-masked causal attention).
+    """
+
+    def causal(self, q, k, v, doc, scale):
+        raise NotImplementedError
+
+    compile = False
+
+    def __call__(self, q, keys, values, doc, step, scale, rows=None):
+        if rows is None:
+            out, lse = self.causal(q, keys[0], values[0], doc, scale)
+        else:  # queries at `rows` only: the causal kernel runs at the length it was built for (the
+            # other rows' queries are 0 and their outputs dropped, so they reach no gradient)
+            every = q.new_zeros(*q.shape[:2], len(doc), q.shape[3]).index_copy(2, rows, q)
+            out, lse = self.causal(every, keys[0], values[0], doc, scale)
+            out, lse = out.index_select(2, rows), lse.index_select(2, rows)
+        return merge_diagonal(q, out, lse, keys[1:], values[1:], scale, self.compile)
+
+
+class MathMergedAttention(MergedAttention):
+    """Dense causal part with explicit softmax: the CPU check of the merge (flex has no CPU backward)."""
+
+    def __init__(self, compile: bool = False):
+        self.compile = compile
+
+    def causal(self, q, k, v, doc, scale):
+        scores, v = dense_scores(q, k, v, step_mask(doc, 0), scale)
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v, torch.logsumexp(scores, dim=-1)

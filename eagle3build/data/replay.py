@@ -1,0 +1,148 @@
+"""One conversation replayed turn by turn while the target writes its answers, and the resume file that
+keeps the finished turns of a regenerate job (eagle3build/data/regenerate.py) across a kill.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+from eagle3build.atomic import atomic_path
+
+
+class Replay:
+    """Walks a conversation's user turns; the target writes each assistant turn.
+
+    `next_prompt()` gives the messages to answer next (None when the conversation is done);
+    `add_answer()` records the target's answer, which becomes context for the next user turn.
+    """
+
+    def __init__(self, sample: dict):
+        self.sample = sample
+        self.context: list[dict] = []
+        self.user_turns: list[dict] = []
+        self.cut_at_tool = False
+        for message in sample["messages"]:
+            role = message.get("role")
+            if role == "tool":
+                self.cut_at_tool = True
+                break
+            if role == "user":
+                self.user_turns.append(message)
+            elif role == "system" and not self.user_turns:
+                self.context.append(message)
+            # dataset assistant answers (and any later system message) are discarded
+        self.turns_done = 0
+        self.truncated = False
+        self.ended_by_tool_call = False
+
+    @property
+    def tools(self) -> list | None:
+        return self.sample.get("tools") or None
+
+    def next_prompt(self) -> list[dict] | None:
+        if self.ended_by_tool_call or self.turns_done == len(self.user_turns):
+            return None
+        if len(self.context) == 0 or self.context[-1].get("role") != "user":
+            self.context.append(self.user_turns[self.turns_done])
+        return self.context
+
+    def add_answer(self, content: str, truncated: bool, tool_calls: list | None = None) -> None:
+        message = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+            self.ended_by_tool_call = True
+        self.context.append(message)
+        self.turns_done += 1
+        self.truncated |= truncated
+
+    STATE_KEYS = ("context", "turns_done", "truncated", "ended_by_tool_call")
+
+    def state(self) -> dict:
+        """What a resume needs to continue this conversation after its last finished turn."""
+        return {key: getattr(self, key) for key in self.STATE_KEYS}
+
+    def restore(self, state: dict) -> Replay:
+        self.context = list(state["context"])
+        self.turns_done = int(state["turns_done"])
+        self.truncated = bool(state["truncated"])
+        self.ended_by_tool_call = bool(state["ended_by_tool_call"])
+        return self
+
+    def result(self) -> dict:
+        out = {k: v for k, v in self.sample.items() if k != "messages"}
+        out["messages"] = self.context
+        return {"sample": out, "truncated": self.truncated, "cut_at_tool": self.cut_at_tool}
+
+
+class PartialFile:
+    """Finished turns, one JSON line each, after a header line with a fingerprint of the job.
+
+    A line is either a finished conversation ({"index", "result"}) or the state of an unfinished one
+    after a turn ({"index", "progress"}; the last one of an index counts). A kill can leave a
+    half-written last line: lines that do not parse are ignored. A file written for another input or
+    other generation settings is discarded rather than mixed in.
+    """
+
+    def __init__(self, path: str, fingerprint: str):
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()  # the openai backend appends from its worker threads
+
+    def load(self) -> tuple[dict[int, dict], dict[int, dict]]:
+        """(results of finished conversations, progress of unfinished ones) by sample index."""
+        if not self.path.exists():
+            return {}, {}
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError:
+            header = {}
+        if header.get("fingerprint") != self.fingerprint:
+            print(
+                f"regenerate: ignoring {self.path} (written for another input or settings)", file=sys.stderr
+            )
+            return {}, {}
+        done, progress = {}, {}
+        for line in lines[1:]:
+            try:
+                record = json.loads(line)
+                index = int(record["index"])
+                if "result" in record:
+                    done[index] = record["result"]
+                else:
+                    state = record["progress"]
+                    progress[index] = {k: state[k] for k in Replay.STATE_KEYS}
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+        return done, {i: state for i, state in progress.items() if i not in done}
+
+    def start(self, done: dict[int, dict], progress: dict[int, dict]) -> None:
+        """Rewrite the file with only its valid records, so appends never follow a torn line."""
+        with atomic_path(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            for index, result in sorted(done.items()):
+                f.write(json.dumps({"index": index, "result": result}, ensure_ascii=False) + "\n")
+            for index, state in sorted(progress.items()):
+                f.write(json.dumps({"index": index, "progress": state}, ensure_ascii=False) + "\n")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def _write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def append(self, index: int, result: dict) -> None:
+        self._write({"index": index, "result": result})
+
+    def append_progress(self, index: int, replay: Replay) -> None:
+        self._write({"index": index, "progress": replay.state()})
+
+    def close(self) -> None:
+        self._file.close()
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

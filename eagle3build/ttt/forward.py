@@ -1,0 +1,117 @@
+"""Training-time test (TTT): the draft's k-step unrolled forward over a packed batch, to its loss sums.
+
+Alignment (packed batch, position p of a sample of length L; `j = p + 1 + s` at step s):
+- input token   x[j]                    (step 0: the token after the aux state's position)
+- input hidden  fc(aux[p]) at s = 0, else the draft's own pre-norm output of step s-1 at p
+- RoPE position t + s (t = position of p inside its sample)
+- target        the target's distribution at j, from the stored final stream: final norm, then the
+                lm_head rows of the draft vocab only (restricted and renormalised: ttt.scorer)
+- weight        loss_mask[j + 1] (the token being predicted is an assistant token) and
+                "the target's greedy token at j over the FULL vocab is in the draft vocab";
+                rows with j + 1 past the end of their sample are dropped (ttt.batch).
+Attention at step s: a query at p sees the step-0 keys at positions <= p of its own sample (causal,
+never across packed samples) and the keys of steps 1..s at p itself (the "diagonal"), in one softmax:
+any implementation of attention.factory.make_attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from eagle3build.compilation import cached_compiled
+from eagle3build.draft.model import Eagle3Draft, FusedWeights, attention_scale
+from eagle3build.ttt.batch import PackedBatch, loss_layout
+from eagle3build.ttt.loss import TTTStats, soft_cross_entropy
+from eagle3build.ttt.weight_aliases import weight_aliases_per_step
+
+
+# The pieces of a step that ttt_forward compiles, each a function of its own (one compilation each).
+def _fused_weight_tensors(model, dtype):
+    return model.fused_weight_tensors(dtype)
+
+
+def _layer_in(model, fused, embed_qkv, hidden, position):
+    return model.qkv(None, hidden, position, fused, embed_qkv)
+
+
+def _layer_out(model, fused, attn_out, residual):
+    return model.finish(attn_out, residual, fused)
+
+
+def ttt_forward(
+    model: Eagle3Draft,
+    batch: PackedBatch,
+    target_probs: torch.Tensor,
+    steps: int,
+    attention: Callable,
+    compile: bool = False,
+) -> TTTStats:
+    """Unroll `steps` draft steps over a packed batch and return per-step loss sums and accuracy counts.
+
+    target_probs: fp32 [M, K] from TargetScorer.draft_probs(batch.loss_final) (no gradient): the
+    target's distribution at the batch's loss rows (with_loss_rows; every row when it has none).
+    compile: torch.compile the per-step layer halves and the loss (static shapes: one compilation
+    per batch length; pad or bucket lengths when they vary).
+
+    Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order at the loss
+    rows j: step s contributes its output row j - 1 - s (weight 0 where that is before the batch or
+    outside j's sample), so the target tensors serve every step as they are, and one loss call covers
+    all steps. Past step 0's q/k/v and attention, the steps compute the batch's step rows only, if it has
+    them (with_step_rows).
+    """
+    n = batch.num_tokens
+    if batch.loss_rows is None:  # every row, laid out here (training lays batches out on the host)
+        batch = loss_layout(batch, torch.arange(n, device=batch.doc.device), steps)
+    if len(target_probs) != len(batch.loss_rows):
+        raise ValueError(
+            f"target_probs has {len(target_probs)} rows for {len(batch.loss_rows)} loss rows: score batch.loss_final"
+        )
+    if len(batch.loss_weight) != steps:
+        raise ValueError(f"the batch's loss rows were laid out for {len(batch.loss_weight)} steps, not {steps}")
+    scale = attention_scale(model.config)
+    target_probs = target_probs.float()
+    source, weight = batch.loss_source, batch.loss_weight.T.to(target_probs.dtype, memory_format=torch.contiguous_format)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    # Once per batch, shared by the steps. Compiled, the casts, concatenations and the scale fold are a
+    # few fused kernels forward and backward instead of eager copies and zero-filled slice gradients.
+    fused = FusedWeights(*cached_compiled(_fused_weight_tensors, compile)(model, dtype))
+    step_fused = weight_aliases_per_step(fused, steps, compile)
+    layer_in, layer_out = cached_compiled(_layer_in, compile), cached_compiled(_layer_out, compile)
+    loss_fn = cached_compiled(soft_cross_entropy, compile)
+    hidden = model.project_aux(batch.aux).unsqueeze(0)  # [1, N, H]
+    # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
+    # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
+    embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
+    # Row gathers with gradients are index_select, not advanced indexing: its backward is a fill and one
+    # index_add (deterministic here: a row is gathered twice only where all but one copy carry a zero
+    # gradient), advanced indexing's a sorted, accumulating index_put (slower)
+    rows = batch.step_rows
+    keys, values, at_target = [], [], []
+    for s in range(steps):
+        at = None if s == 0 else rows  # step 0's keys and values at every row: every query reads them
+        if at is None:
+            position = (batch.position + s).unsqueeze(0)
+            step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
+        else:
+            position = (batch.position[at] + s).unsqueeze(0)
+            step_embed_qkv = embed_qkv.index_select(0, at + 1 + s).unsqueeze(0)
+        q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
+        keys.append(k)
+        values.append(v)
+        attn_out = attention(q, keys, values, batch.doc, s, scale, at)
+        if s == 0 and rows is not None:  # the rest of the steps at the step rows only
+            attn_out, residual = attn_out.index_select(2, rows), residual.index_select(1, rows)
+        hidden = layer_out(model, step_fused[s], attn_out, residual)
+        at_target.append(hidden.flatten(0, 1).index_select(0, source[s]))  # a view: no select backward
+    at_target = torch.stack(at_target, dim=1)  # [M, S, H]
+    if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them
+        for t, dim in ((at_target, 0), (target_probs, 0), (weight, 0)):
+            torch._dynamo.mark_dynamic(t, dim)
+    # Every step's loss at once: no step reads the previous step's logits (it reads its hidden state),
+    # so the lm_head is one matmul over all steps, and so is its weight gradient (k matmuls and k - 1
+    # accumulations otherwise).
+    loss_sum, correct, count = loss_fn(model, fused, at_target, target_probs, weight)
+    return TTTStats(loss_sum, correct.float(), count.float())
