@@ -63,12 +63,16 @@ lint: ## snakemake --lint, snakefmt, ruff, hadolint
 	$(MAKE) --no-print-directory lint-docker
 
 clean: ## remove training/export/evaluation outputs and logs; keeps hidden states, tokens and data
-	rm -rf $(OUT_ROOT)/train $(OUT_ROOT)/export $(OUT_ROOT)/eval $(OUT_ROOT)/logs report.html dag.dot dag.svg
+	@$(CHECKED_ROOT); set -x; rm -rf -- "$$root/train" "$$root/export" "$$root/eval" "$$root/logs" report.html dag.dot dag.svg
 
 clean-hidden: ## also delete hidden states (hours of GPU time): needs CONFIRM=yes
 	@if [ "$(CONFIRM)" != "yes" ]; then echo "refusing: hidden states cost GPU hours; run 'make clean-hidden CONFIRM=yes'"; exit 1; fi
-	rm -rf $(OUT_ROOT)
+	@$(CHECKED_ROOT); set -x; rm -rf -- "$$root"
 
-OUT_ROOT = $(shell $(PYTHON) -c "import yaml,sys; print((yaml.safe_load(open('$(CONFIG)')) or {}).get('output_root','build'))" 2>/dev/null || echo build)
+# The config's output_root, checked (eagle3build/config.py check_output_root: never /, a system or home
+# folder, the working directory or above it, nor '..'), into the shell variable `root`: the value never
+# passes through make's text or an unquoted shell word, and an empty or refused root deletes nothing.
+CHECKED_ROOT = root="$$($(PYTHON) -m eagle3build.config output-root '$(CONFIG)')" || exit 1; \
+	case "$$root" in ""|/|*/..|*/../*|../*|..) echo "refusing to clean output_root '$$root'"; exit 1;; esac
 
 -include mk/docker.mk

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -45,10 +46,20 @@ def planned(head_dims: list[int]) -> list[dict]:
     for d in head_dims:
         opts = flex_kernel_options(SM120, SM120_SMEM_PER_BLOCK, d)
         fwd = Forward(opts["fwd_BLOCK_M"], opts["fwd_BLOCK_N"], opts["fwd_num_stages"], opts["fwd_num_warps"])
-        bwd = Backward(*(opts[f"bwd_{k}"] for k in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps")))
+        bwd = Backward(
+            *(
+                opts[f"bwd_{k}"]
+                for k in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps")
+            )
+        )
         plans.append(
-            dict(head_dim=d, options=opts, estimate_forward=forward_smem_bytes(fwd, d, d),
-                 estimate_backward=backward_smem_bytes(bwd, d, d), limit=SM120_SMEM_PER_BLOCK)
+            dict(
+                head_dim=d,
+                options=opts,
+                estimate_forward=forward_smem_bytes(fwd, d, d),
+                estimate_backward=backward_smem_bytes(bwd, d, d),
+                limit=SM120_SMEM_PER_BLOCK,
+            )
         )
     return plans
 
@@ -70,6 +81,18 @@ def _record_compiles(records: list):
 
 def _name(src) -> str:
     return str(getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?"))
+
+
+def _is_flex(name: str) -> bool:
+    # Inductor names its template kernels triton_tem_*; flex attention's forward and backward are the
+    # only templates this call compiles
+    return "flex" in name or name.startswith("triton_tem")
+
+
+def _block_sizes(src) -> dict:
+    """The tile sizes a template kernel was generated with (`BLOCK_M : tl.constexpr = 128` lines)."""
+    text = getattr(getattr(src, "fn", None), "src", "") or ""
+    return {k: int(v) for k, v in re.findall(r"\b(BLOCK_[MN]\d?)\s*:\s*tl\.constexpr\s*=\s*(\d+)", text)}
 
 
 def _shared(binary) -> int:
@@ -106,19 +129,24 @@ def run_case(head_dim, heads, kv_heads, seq, options, compile_fn, records) -> li
     kernels = []
     for src, opts, binary in records[start:]:
         name = _name(src)
-        if "flex" not in name:
+        if not _is_flex(name):
             continue
-        entry = dict(kernel=name, this_gpu=_shared(binary), num_stages=(opts or {}).get("num_stages"),
-                     num_warps=(opts or {}).get("num_warps"))
-        entry["constants"] = {k: v for k, v in (getattr(src, "constants", None) or {}).items()
-                              if isinstance(k, str) and k.startswith("BLOCK_")}
+        entry = dict(
+            kernel=name,
+            this_gpu=_shared(binary),
+            num_stages=(opts or {}).get("num_stages"),
+            num_warps=(opts or {}).get("num_warps"),
+        )
+        entry["blocks"] = _block_sizes(src)
         for label, cap in (("sm_120", 120), ("sm_80", 80)):
             try:
                 entry[label] = shared_for(compile_fn, src, opts, cap)
             except Exception as e:  # noqa: BLE001 - reported, the other target may still answer
                 entry[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         figure = entry.get("sm_120", entry.get("sm_80"))
-        entry["measured_as"] = "sm_120" if "sm_120" in entry else ("sm_80 (stand-in)" if "sm_80" in entry else None)
+        entry["measured_as"] = (
+            "sm_120" if "sm_120" in entry else ("sm_80 (stand-in)" if "sm_80" in entry else None)
+        )
         entry["fits"] = figure is not None and figure <= SM120_SMEM_PER_BLOCK
         kernels.append(entry)
     return kernels
@@ -126,12 +154,16 @@ def run_case(head_dim, heads, kv_heads, seq, options, compile_fn, records) -> li
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry", action="store_true", help="print the options and estimates, compile nothing (CPU)")
+    ap.add_argument(
+        "--dry", action="store_true", help="print the options and estimates, compile nothing (CPU)"
+    )
     ap.add_argument("--head-dims", default="64,112,128,256")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--torch-default", action="store_true", help="also measure torch's own choice for this GPU")
+    ap.add_argument(
+        "--torch-default", action="store_true", help="also measure torch's own choice for this GPU"
+    )
     ap.add_argument("--out", help="results file (bench/results/ format)")
     args = ap.parse_args()
     plans = planned([int(x) for x in args.head_dims.split(",")])
@@ -152,6 +184,8 @@ def main() -> int:
         sys.exit("sm120_smem_check: needs a CUDA GPU to compile on (or --dry)")
     inductor_config.compile_threads = 1
     inductor_config.force_disable_caches = True
+    # kernels named after their ops (triton_tem_fused_flex_attention_...), not all `triton_`
+    inductor_config.triton.unique_kernel_names = True
     records: list = []
     compile_fn = _record_compiles(records)
     cases, ok = [], True
@@ -159,16 +193,35 @@ def main() -> int:
         for label, options in (("sm_120 options", plan["options"]), ("torch default", None)):
             if options is None and not args.torch_default:
                 continue
-            kernels = run_case(plan["head_dim"], args.heads, args.kv_heads, args.seq, options, compile_fn, records)
-            case = dict(head_dim=plan["head_dim"], choice=label, options=options, kernels=kernels,
-                        estimate_forward=plan["estimate_forward"], estimate_backward=plan["estimate_backward"])
+            try:
+                kernels = run_case(
+                    plan["head_dim"], args.heads, args.kv_heads, args.seq, options, compile_fn, records
+                )
+                error = None
+            except Exception as e:  # noqa: BLE001 - one failed compilation is this case's result
+                kernels, error = [], f"{type(e).__name__}: {str(e)[:2000]}"
+            case = dict(
+                head_dim=plan["head_dim"],
+                choice=label,
+                options=options,
+                kernels=kernels,
+                estimate_forward=plan["estimate_forward"],
+                estimate_backward=plan["estimate_backward"],
+                error=error,
+            )
             if options is not None:  # torch's default for this GPU is shown, not required to fit
                 case["ok"] = bool(kernels) and all(k["fits"] for k in kernels)
                 ok &= case["ok"]
             cases.append(case)
             print(json.dumps(case), flush=True)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__, limit=SM120_SMEM_PER_BLOCK, cases=cases, ok=ok)
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        limit=SM120_SMEM_PER_BLOCK,
+        cases=cases,
+        ok=ok,
+    )
     print("OK" if ok else "FAILED")
     if args.out:
         from results import record

@@ -14,6 +14,6 @@ FORMAT_VERSIONS = {
     "hidden": 1,
     "vocab": 1,
     "train": 1,
-    "export": 1,
+    "export": 2,  # 2: SGLang's eagle_config ids; the target recorded as configured
     "evaluate": 1,
 }

@@ -6,12 +6,14 @@ outside Snakemake (`doctor`, `prepare show`) call `load_config` for the same res
 
 from __future__ import annotations
 
-import json
+import copy
+import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.trust import is_local, read_json, repo_file, target_path
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 # Keys older configs may still set that no longer change anything: dropped with a warning, so such a
@@ -70,6 +72,74 @@ def validate_config(config: dict, validate) -> None:
     drop_removed_keys(config)
     _check(_schema(), config, "")
     validate(config, str(SCHEMA))
+    check_output_root(config["output_root"])
+
+
+# Folders an output root must never be: `make clean-hidden` removes the root and every stage writes its
+# own top-level folders (data/, tokens/, train/, logs/ ...) in it. PROTECTED_TREES: nothing under them either.
+SYSTEM_FOLDERS = frozenset(
+    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt",
+     "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var"}
+)
+PROTECTED_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin",
+                   "/sys", "/usr")
+
+
+def check_output_root(root: str, workdir: str | Path | None = None) -> Path:
+    """The output root resolved (against `workdir`, default the working directory), refused when it is
+    empty, climbs with `..`, or resolves to /, a system folder, the home folder, or the working directory
+    or a folder above it: every output and every `make clean` stays inside a folder of its own."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError("output_root", f"{root!r} {why}; use a folder of its own such as 'build' or "
+                                          "'/scratch/eagle3/build'")
+
+    if not str(root).strip():
+        raise refuse("is empty: outputs would land in the working directory's top level")
+    if ".." in Path(root).parts:
+        raise refuse("contains '..'")
+    base = Path(workdir or Path.cwd()).resolve()
+    resolved = Path("/" + str((base / root).resolve()).lstrip("/"))  # POSIX keeps a leading "//"
+    if str(resolved) in SYSTEM_FOLDERS or any(resolved.is_relative_to(t) for t in PROTECTED_TREES):
+        raise refuse(f"resolves to the system folder {resolved}")
+    if resolved == Path.home().resolve():
+        raise refuse(f"resolves to the home folder {resolved}")
+    if resolved == base or base.is_relative_to(resolved):
+        raise refuse(f"resolves to {resolved}, the working directory or a folder above it (its sources and "
+                     "data would mix with outputs, and `make clean-hidden` would delete them)")
+    return resolved
+
+
+def train_progress_keys(train: dict) -> tuple[str, ...]:
+    """The `train` keys that change no trained weight, only logs and resume points: the train rule's params
+    leave them out (changing one retrains nothing) and so does a run's identity (it resumes). `train`: the
+    section with its defaults. log_every: metric lines; keep_checkpoints: resume points on disk;
+    checkpoint_every: resume points too, unless it also sets the validation steps (eval_every null), among
+    which the best step, the weights the stage writes, is chosen."""
+    keys = ("log_every", "keep_checkpoints")
+    return keys if train.get("eval_every") is None else (*keys, "checkpoint_every")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3build.config output-root CONFIG`: the checked output root (for `make clean`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m eagle3build.config")
+    parser.add_argument("command", choices=["output-root"])
+    parser.add_argument("config")
+    args = parser.parse_args(argv)
+    import yaml
+
+    try:
+        given = yaml.safe_load(Path(args.config).read_text()) or {}
+        root = given.get("output_root", section_schema("output_root")["default"]) if isinstance(given, dict) else None
+        if not isinstance(root, str):
+            raise ConfigError("output_root", f"must be a string, got {root!r}")
+        check_output_root(root)
+    except (OSError, yaml.YAMLError, UserError) as e:
+        print(f"{args.config}: {e}", file=sys.stderr)
+        return 2
+    print(root)
+    return 0
 
 
 @lru_cache(maxsize=1)
@@ -99,8 +169,6 @@ def section_schema(section: str) -> dict:
 
 def section_defaults(section: str) -> dict:
     """The defaults of one config section as the schema states them (the one source of every default)."""
-    import copy
-
     props = section_schema(section).get("properties", {})
     return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
 
@@ -119,33 +187,48 @@ def resolve_section(section: str, given: dict | None) -> dict:
     return {**section_defaults(section), **given}
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from e
+def _model_config(path: str, revision: str | None) -> dict:
+    file = repo_file(path, "config.json", revision, download=True)
+    if file is None:
+        where = "folder" if is_local(path) else f"hub repo (revision {revision})"
+        raise UserError(f"config key 'target.model': the {where} '{path}' has no config.json; "
+                        "give a Hugging Face model (run `make setup` to build the default model)")
+    return read_json(file)
 
 
-@lru_cache(maxsize=8)
-def _target_config(path: str, revision: str | None, trust_remote_code: bool) -> dict:
-    local = Path(path) / "config.json"
-    if local.is_file():
-        return _read_json(local)
-    if Path(path).exists():
-        raise UserError(f"config key 'target.model': {path} has no config.json")
-    from transformers import AutoConfig  # a hub id: resolved through the local HF cache
+# A hub id's file is looked up once per process (a download, or the cache's refs); a local file is re-read.
+_hub_model_config = lru_cache(maxsize=8)(_model_config)
 
-    try:
-        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code).to_dict()
-    except Exception as e:
-        raise UserError(f"config key 'target.model': cannot read the config of '{path}' ({e}). For a local "
-                        f"model give its folder; run `make setup` to build the default model") from e
+
+def read_model_config(path: str, revision: str | None = None) -> dict:
+    """A model's config.json as a dict: a local folder's file, or a hub id's at `revision` (the local HF
+    cache, else downloaded as a file). Parsed as JSON, never through AutoConfig: no repository code runs,
+    whatever the trust policy, so the workflow can read it while it builds its DAG."""
+    path = str(path)
+    if is_local(path):
+        return _model_config(path, revision)
+    return copy.deepcopy(_hub_model_config(path, revision))
 
 
 def target_text_config(target: dict) -> dict:
     """The text model's config (multimodal configs nest it under text_config)."""
-    cfg = _target_config(str(target["path"]), target.get("revision"), bool(target.get("trust_remote_code")))
+    cfg = read_model_config(target_path(target), target.get("revision"))
     return cfg.get("text_config") or cfg
+
+
+def target_config_int(target: dict, key: str, config: dict | None = None) -> int:
+    """An integer the build needs from the target's config.json (a multimodal config's text_config):
+    one that is missing or not a positive integer names the file, the key and the config key. `config`: the
+    config.json already read (default: read it)."""
+    full = config if config is not None else read_model_config(target_path(target), target.get("revision"))
+    value = (full.get("text_config") or full).get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        where = f"{target_path(target)}/config.json"
+        found = "has no" if value is None else f"has {value!r} for"
+        raise ConfigError("target.model", f"{where} {found} '{key}' (nor its text_config), which the build "
+                                          "needs: not the config of a causal language model? Point target.model "
+                                          "at the model's own folder or hub id")
+    return value
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -155,17 +238,16 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def resolve_aux_layer_ids(target: dict, configured: list[int] | None, vllm: str | None = None) -> list[int]:
     """The aux ids for the target (`check_aux_layer_ids`); `vllm`: see `vllm_serves_target`."""
-    full = _target_config(str(target["path"]), target.get("revision"), bool(target.get("trust_remote_code")))
-    n = int((full.get("text_config") or full)["num_hidden_layers"])
+    full = read_model_config(target_path(target), target.get("revision"))
+    n = target_config_int(target, "num_hidden_layers", full)
     return check_aux_layer_ids(configured, n, vllm, deepseek_family(full) if vllm else None)
 
 
 def vllm_serves_target(config: dict) -> str | None:
-    """The setting that makes vLLM run the target with aux-state capture ("extract.backend: vllm",
-    "evaluate.backend: vllm"), or None: what `check_aux_layer_ids` checks beyond the HF rules."""
-    for section in ("extract", "evaluate"):
-        if (config.get(section) or {}).get("backend") == "vllm":
-            return f"{section}.backend: vllm"
+    """The setting that makes vLLM capture the aux states ("extract.backend: vllm"), or None: what
+    `check_aux_layer_ids` checks beyond the HF rules."""
+    if (config.get("extract") or {}).get("backend") == "vllm":
+        return "extract.backend: vllm"
     return None
 
 
@@ -208,3 +290,7 @@ def check_aux_layer_ids(configured: list[int] | None, n: int, vllm: str | None =
             f">= 1 (e.g. the default {default}), or the hf backend",
         )
     return ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,14 +6,10 @@ trust_remote_code, chat_template, dtype).
 
 from __future__ import annotations
 
-from eagle3build.errors import ConfigError, UserError
+from eagle3build.errors import UserError
+from eagle3build.trust import check_trust, target_path, trusted
 
-
-def target_path(target: dict) -> str:
-    path = target.get("path") or target.get("model")
-    if not path:
-        raise ConfigError("target.model", "is empty; give a local model dir or a hub id")
-    return str(path)
+__all__ = ["eos_token_ids", "load_target_model", "resolve_device", "target_path"]
 
 
 def resolve_device(device: str):
@@ -30,6 +26,7 @@ def load_target_model(target: dict, device):
     import torch
     from transformers import AutoModelForCausalLM
 
+    check_trust(target)
     dtype = target.get("dtype") or "auto"
     if dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -38,7 +35,7 @@ def load_target_model(target: dict, device):
     model = AutoModelForCausalLM.from_pretrained(
         target_path(target),
         revision=target.get("revision"),
-        trust_remote_code=bool(target.get("trust_remote_code", False)),
+        trust_remote_code=trusted(target),
         dtype=dtype,
     )
     return model.to(device).eval()

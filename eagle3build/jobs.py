@@ -77,4 +77,8 @@ def run_job(body: Callable[[Job], None], argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         sys.exit(f"usage: python {sys.argv[0]} <job.json>   (the command a rule's run: block builds)")
+    from eagle3build.engine.process import bind_to_workflow
+
+    # A job killed with its workflow (or on its own) removes its temp files; none outlives the workflow.
+    bind_to_workflow()
     run_rule(Job(json.loads(Path(argv[0]).read_text())), body)

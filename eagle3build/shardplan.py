@@ -15,8 +15,8 @@ from pathlib import Path
 from eagle3build.atomic import write_json_atomic
 
 
-def _fingerprint(path: str, fmt: str, split: str | None) -> str:
-    key = {"path": path, "format": fmt, "split": split}
+def _fingerprint(path: str, fmt: str, split: str | None, revision: str | None = None) -> str:
+    key = {"path": path, "format": fmt, "split": split, **({"revision": revision} if revision else {})}
     p = Path(path)
     if p.exists():
         files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
@@ -24,16 +24,16 @@ def _fingerprint(path: str, fmt: str, split: str | None) -> str:
     return json.dumps(key, sort_keys=True)
 
 
-def record_count(path: str, fmt: str, split: str | None, cache_dir: str) -> int:
+def record_count(path: str, fmt: str, split: str | None, cache_dir: str, revision: str | None = None) -> int:
     from eagle3build.data.formats import count_records
 
     cache_file = Path(cache_dir) / "record-counts.json"
     cache = {}
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
         cache = json.loads(cache_file.read_text())
-    key = _fingerprint(path, fmt, split)
+    key = _fingerprint(path, fmt, split, revision)
     if key not in cache:
-        cache[key] = count_records(path, fmt, split)
+        cache[key] = count_records(path, fmt, split, revision)
         with contextlib.suppress(OSError):  # a read-only tree still plans, just without the cache
             os.makedirs(cache_dir, exist_ok=True)
             write_json_atomic(cache_file, cache, indent=None)

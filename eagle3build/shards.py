@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3build import FORMAT_VERSIONS
-from eagle3build.atomic import atomic_path, save_safetensors_atomic
+from eagle3build.atomic import atomic_path, is_no_space, no_space_error, save_safetensors_atomic
 from eagle3build.errors import UserError
 
 TOKENS_FORMAT = "eagle3build.tokens"
@@ -234,13 +234,19 @@ class HiddenShardWriter:
         self._offsets = offsets
         self.total_bytes = self._data_start + pos
         self._row_bytes = NUM_SLOTS * hidden_size * self.dtype.itemsize
-        self._ctx = atomic_path(self.path)
+        # atomic_path first removes the temps of this shard that a killed writer left (a full-size file each)
+        self._ctx = atomic_path(self.path, need_bytes=self.total_bytes)
         self._tmp = self._ctx.__enter__()
-        self._fd = os.open(self._tmp, os.O_WRONLY)
-        os.ftruncate(self._fd, self.total_bytes)
-        os.pwrite(self._fd, struct.pack("<Q", len(hjson)) + hjson, 0)
-        for name, t in small.items():
-            os.pwrite(self._fd, t.numpy().tobytes(), self._data_start + offsets[name])
+        self._fd = None
+        try:
+            self._fd = os.open(self._tmp, os.O_WRONLY)
+            os.ftruncate(self._fd, self.total_bytes)
+            os.pwrite(self._fd, struct.pack("<Q", len(hjson)) + hjson, 0)
+            for name, t in small.items():
+                os.pwrite(self._fd, t.numpy().tobytes(), self._data_start + offsets[name])
+        except BaseException as e:
+            self._closed = True
+            self._fail(e)
         self._written = torch.zeros(n, dtype=torch.bool)
         self._copy_stream = None  # created on the first GPU batch
         # Bounds the batches in flight (and so the pinned host memory held) to queue_depth + 2.
@@ -346,8 +352,14 @@ class HiddenShardWriter:
             self._fd = None
             self._ctx.__exit__(None, None, None)
         except BaseException as e:
-            self._abort_files(e)
-            raise
+            self._fail(e)
+
+    def _fail(self, exc: BaseException):
+        """Remove the temp file and raise `exc` (a full disk as the UserError that says so)."""
+        self._abort_files(exc)
+        if is_no_space(exc):
+            raise no_space_error(self.path, self.total_bytes, exc) from exc
+        raise exc
 
     def _abort_files(self, exc: BaseException | None = None) -> None:
         if self._fd is not None:

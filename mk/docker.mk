@@ -18,6 +18,7 @@
 # (`-e EAGLE3_IMAGE`); unset, host runs see none and the container keeps the image's own.
 
 DOCKER ?= docker
+, := ,
 VLLM_BASE_IMAGE := $(strip $(shell cat $(dir $(lastword $(MAKEFILE_LIST)))../docker/base-image))
 VLLM_BASE_REF := $(firstword $(subst @, ,$(VLLM_BASE_IMAGE)))
 VLLM_BASE_TAG := $(lastword $(subst :, ,$(VLLM_BASE_REF)))
@@ -39,14 +40,23 @@ DOCKER_ENV ?= HF_TOKEN HUGGING_FACE_HUB_TOKEN CUDA_VISIBLE_DEVICES
 DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,EAGLE3_IMAGE $(filter NCCL_% TORCH_NCCL_% VLLM_% TORCHINDUCTOR_%,$(.VARIABLES)),\
 	$(if $(filter environment% command%,$(origin $(v))),$(v))))
 DOCKER_RUN_ARGS ?=
+# `--gpus $(DOCKER_GPUS)` (empty: no --gpus, for engines without the NVIDIA runtime, e.g. the CPU stand-in).
+DOCKER_GPUS ?= all
+# The container's user: the caller's, so files written to the bind-mounted work tree belong to the caller.
+DOCKER_USER ?= $(shell id -u):$(shell id -g)
+# Build: PIP_CERT_FILE (a CA bundle for pip behind a TLS-inspecting network) goes in as a BuildKit secret,
+# never into a layer; DOCKER_BUILD_NETWORK=host where only the host's network reaches the package index.
+PIP_CERT_FILE ?=
+DOCKER_BUILD_NETWORK ?=
+DOCKER_BUILD_ARGS ?=
 
 # The work tree is bind-mounted at the same path, so `.snakemake/` (Snakemake's provenance records)
 # and every output persist between runs and absolute paths in logs stay valid on the host.
 # --ipc=host: NCCL and vLLM's workers share memory through /dev/shm. --init reaps the vLLM server's
 # orphaned workers.
 DOCKER_RUN_FLAGS = --rm --init \
-	--gpus all --ipc=host \
-	--user $(shell id -u):$(shell id -g) -e HOME=/tmp \
+	$(if $(DOCKER_GPUS),--gpus $(DOCKER_GPUS)) --ipc=host \
+	--user $(DOCKER_USER) -e HOME=/tmp \
 	-v "$(CURDIR):$(CURDIR)" -w "$(CURDIR)" \
 	-v "$(HF_CACHE):/cache/huggingface" -e HF_HOME=/cache/huggingface \
 	-v "$(DOCKER_CACHE):/cache/build" -e VLLM_CACHE_ROOT=/cache/build/vllm -e TRITON_CACHE_DIR=/cache/build/triton \
@@ -54,11 +64,16 @@ DOCKER_RUN_FLAGS = --rm --init \
 	$(DOCKER_RUN_ARGS)
 DOCKER_RUN = $(DOCKER) run $(DOCKER_RUN_FLAGS) $(IMAGE):$(IMAGE_TAG)
 
-.PHONY: docker-build docker-run docker-dry-run docker-shell lint-docker
+.PHONY: docker-build docker-run docker-dry-run docker-shell lint-docker docker-standin docker-standin-demo
 
+# The Dockerfile uses BuildKit (RUN --mount): a client without the buildx plugin needs DOCKER_BUILDKIT=1 and
+# the engine's own client (Debian's docker.io: DOCKER=/usr/bin/docker).
+docker-build: export DOCKER_BUILDKIT = 1
 docker-build: ## build the image: the pinned vLLM image + this project
 	$(DOCKER) build \
 		--build-arg VLLM_IMAGE=$(VLLM_IMAGE) --build-arg VLLM_TAG=$(VLLM_TAG) --build-arg VLLM_DIGEST=$(VLLM_DIGEST) \
+		$(if $(PIP_CERT_FILE),--secret id=pip_cert$(,)src=$(PIP_CERT_FILE)) \
+		$(if $(DOCKER_BUILD_NETWORK),--network $(DOCKER_BUILD_NETWORK)) $(DOCKER_BUILD_ARGS) \
 		-t $(IMAGE):$(IMAGE_TAG) .
 
 docker-run: ## `make run` inside the image on every GPU
@@ -75,3 +90,23 @@ docker-shell: ## an interactive shell in the image
 
 lint-docker: ## hadolint the Dockerfile
 	hadolint Dockerfile
+
+# The CPU stand-in for the vLLM image (docker/standin/): on a machine without a registry or GPU (run as root),
+# `make docker-standin` sets up the engine (docker/standin/engine.sh: Debian's docker.io, dockerd started by
+# hand), builds the stand-in and pushes it to a registry on localhost (docker/standin/build.sh, which prints
+# its pin), then builds this project's image on it through docker-build, as $(STANDIN_IMAGE):$(IMAGE_TAG) so
+# that it is never taken for the real one. `make docker-standin-demo` also runs the CPU demo in it
+# (docker-run without --gpus), then shows that a second run plans nothing. The Dockerfile is the real one.
+STANDIN_IMAGE ?= eagle3build-standin
+STANDIN_PIN = pin="$$(DOCKER=$$client docker/standin/build.sh)" && ref="$${pin%@*}" && \
+	set -- DOCKER=$$client VLLM_IMAGE="$${ref%:*}" VLLM_TAG="$${ref\#\#*:}" VLLM_DIGEST="$${pin\#*@}" \
+	IMAGE=$(STANDIN_IMAGE) DOCKER_GPUS= PIP_CERT_FILE=$(or $(PIP_CERT_FILE),/etc/ssl/certs/ca-certificates.crt) \
+	DOCKER_BUILD_NETWORK=host
+
+docker-standin: ## CPU machines: engine + stand-in vLLM image (local registry) + this project's image on it
+	client="$$(docker/standin/engine.sh)" && $(STANDIN_PIN) && $(MAKE) --no-print-directory docker-build "$$@"
+
+docker-standin-demo: docker-standin ## CPU machines: the demo inside the stand-in image, then a rerun that plans nothing
+	client="$$(docker/standin/engine.sh)" && $(STANDIN_PIN) && \
+	$(MAKE) --no-print-directory docker-run "$$@" && $(MAKE) --no-print-directory docker-dry-run "$$@"
+

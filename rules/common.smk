@@ -12,20 +12,34 @@ from snakemake.utils import validate
 from eagle3build import FORMAT_VERSIONS
 from eagle3build.config import (
     resolve_aux_layer_ids,
+    target_config_int,
     target_text_config,
     validate_config,
     vllm_serves_target,
 )
+from eagle3build.engine.process import WORKFLOW_ENV, workflow_marker
 from eagle3build.errors import ConfigError
+from eagle3build.fingerprint import (
+    change_since_baseline,
+    dataset_fingerprint,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
 from eagle3build.shardplan import plan_shards, record_count
+from eagle3build.trust import check_trust
 
 # The config as given, before the schema fills in its defaults: a rule whose params are a section the
 # schema defaults key by key passes the keys given, so a default added to the schema reruns nothing.
 GIVEN_CONFIG = copy.deepcopy(config)
 validate_config(config, validate)
+# Before anything reads the target: no repo code may run (also on a dry-run) unless the policy allows it.
+check_trust(config["target"])
 
 OUT = config["output_root"].rstrip("/")
 RUN_DIR = f"{OUT}/.run"  # servers' state files, locks and logs; never an output
+# Names this process to its jobs: a job, and a server the run's jobs share, end when it does
+# (eagle3build/engine/process.py). Not a param: it changes every run.
+os.environ[WORKFLOW_ENV] = workflow_marker()
 
 
 # ---- the target as the jobs that load it see it; it reaches them only through params
@@ -37,7 +51,7 @@ TARGET = {
     "dtype": config["target"]["dtype"],
 }
 TARGET_CFG = target_text_config(TARGET)
-VOCAB_SIZE = int(TARGET_CFG["vocab_size"])
+VOCAB_SIZE = target_config_int(TARGET, "vocab_size", TARGET_CFG)
 # Checked for the engine that captures them (vLLM: distinct ids, no 0 on DeepSeek-family targets).
 AUX_LAYER_IDS = resolve_aux_layer_ids(
     TARGET, config["extract"]["aux_layer_ids"], vllm_serves_target(config)
@@ -48,7 +62,13 @@ IMAGE = config["extract"]["image"] or os.environ.get("EAGLE3_IMAGE", "")
 
 # ---- datasets and their shards (counts are known when the DAG is built: the dry-run shows every job)
 def _shard_count(ds):
-    n = record_count(ds["path"], ds["format"], ds["split"], cache_dir=f"{OUT}/.cache")
+    n = record_count(
+        ds["path"],
+        ds["format"],
+        ds["split"],
+        cache_dir=f"{OUT}/.cache",
+        revision=ds["revision"],
+    )
     return plan_shards(n, config["prepare"]["shard_size"], ds["max_samples"])
 
 
@@ -71,6 +91,42 @@ def regen_sampling(ds):
     return {k: own.get(k, config["regenerate"][k]) for k in REGEN_SAMPLING_KEYS}
 
 
+# ---- what Snakemake cannot see change (eagle3build/fingerprint.py): the target's weights and tokenizer
+# files edited in place, a dataset's content. Each is fingerprinted once per DAG build; its digest becomes a
+# param of the rules that read it only once it differs from the first one recorded, so a tree built before
+# fingerprints existed plans nothing.
+FINGERPRINTS = f"{OUT}/.fingerprints"
+
+
+def _change(kind, key, fingerprint, param):
+    digest = change_since_baseline(FINGERPRINTS, kind, key, fingerprint)
+    return {param: digest} if digest else {}
+
+
+TOKENIZER_CHANGE = _change(
+    "tokenizer",
+    TARGET["path"],
+    tokenizer_fingerprint(TARGET["path"]),
+    "tokenizer_files",
+)
+WEIGHTS_CHANGE = _change(
+    "weights", TARGET["path"], weights_fingerprint(TARGET["path"]), "target_weights"
+)
+
+
+def content_change(ds):
+    """A dataset's content digest once it differs from the first recorded (a param of its split rule)."""
+    fingerprint = dataset_fingerprint(ds["path"], cache_dir=f"{OUT}/.cache")
+    return _change("dataset", ds["path"], fingerprint, "content")
+
+
+def dataset_input(path):
+    """A dataset's file or folder as an input whose mtime does not count (`ancient`): a touch must not
+    re-split (and re-extract) it; its content reaches the split rule as `content_change`.
+    """
+    return [ancient(p) for p in local_file(path)]
+
+
 DATASETS = {}
 for _i, _ds in enumerate(config["datasets"]):
     if _ds["name"] in DATASETS:
@@ -78,11 +134,17 @@ for _i, _ds in enumerate(config["datasets"]):
             f"datasets[{_i}].name",
             f"'{_ds['name']}' is used twice; names must be unique",
         )
+    if _ds["revision"] and not str(_ds["path"]).startswith("hf:"):
+        raise ConfigError(
+            f"datasets[{_i}].revision",
+            f"'{_ds['path']}' is a local dataset; only hf: datasets have a hub revision (drop the key)",
+        )
     DATASETS[_ds["name"]] = {
         **_ds,
         "index": _i,
         "shards": [f"{s:05d}" for s in range(_shard_count(_ds))],
         "regen_sampling": regen_sampling(_ds),
+        "content_change": content_change(_ds),
     }
 
 
@@ -115,6 +177,10 @@ def local_file(path):
 
 def final_targets():
     targets = [f"{OUT}/vocab/mapping.safetensors", f"{OUT}/export/eagle3/config.json"]
+    # The hidden shards too: Snakemake does not remake a missing intermediate while what it feeds is
+    # current, so a deleted (e.g. corrupted) shard would stay missing; a missing input of the target
+    # rule is remade (then train and what follows rerun on it).
+    targets += shard_paths("hidden", "safetensors")
     targets += [f"{OUT}/eval/{name}.json" for name in EVAL_SETS]
     return targets
 

@@ -43,6 +43,8 @@ rule evaluate:
             else 1
         ),
     params:
+        **TOKENIZER_CHANGE,  # the target folder's tokenizer files and weights, once edited
+        **WEIGHTS_CHANGE,
         target=TARGET,
         eval_set=lambda wc: EVAL_SETS[wc.evalset],
         settings=evaluate_settings(),

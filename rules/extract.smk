@@ -16,6 +16,7 @@ rule extract:
     resources:
         gpu=1,
     params:
+        **WEIGHTS_CHANGE,  # the target folder's weights, config or modeling code, once edited
         target={
             k: TARGET[k] for k in ("path", "revision", "trust_remote_code", "dtype")
         },

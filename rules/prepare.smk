@@ -10,14 +10,20 @@ for _ds in DATASETS.values():
         name:
             f"split_{_ds['index']}"
         input:
-            local_file(_ds["path"]),
+            dataset_input(_ds["path"]),
         output:
             f"{OUT}/data/{_ds['name']}/{{shard}}.jsonl",
         log:
             f"{OUT}/logs/split/{_ds['name']}/{{shard}}.log",
         params:
+            **_ds["content_change"],  # the dataset's content, once edited
             dataset={
-                k: _ds[k] for k in ("name", "path", "format", "split", "max_samples")
+                **{
+                    k: _ds[k]
+                    for k in ("name", "path", "format", "split", "max_samples")
+                },
+                # a pinned hub commit of an hf: dataset: only when set, so other configs keep their params
+                **({"revision": _ds["revision"]} if _ds["revision"] else {}),
             },
             shards=len(_ds["shards"]),
             shard_size=config["prepare"]["shard_size"],
@@ -42,9 +48,19 @@ rule tokens:
     wildcard_constraints:
         ds=dataset_names(regenerated=False),
     params:
+        **TOKENIZER_CHANGE,  # the target folder's tokenizer files, once edited
+        # prepare.thinking joins this param only when it is not the default, so configs that do not
+        # set it keep their params and a built tree plans nothing.
         tokenizer={
-            k: TARGET[k]
-            for k in ("path", "revision", "trust_remote_code", "chat_template")
+            **{
+                k: TARGET[k]
+                for k in ("path", "revision", "trust_remote_code", "chat_template")
+            },
+            **(
+                {"thinking": config["prepare"]["thinking"]}
+                if config["prepare"]["thinking"] != "served"
+                else {}
+            ),
         },
         max_length=config["prepare"]["max_length"],
         version=FORMAT_VERSIONS["tokens"],

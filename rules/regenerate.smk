@@ -13,6 +13,8 @@ rule regenerate:
     resources:
         gpu=0 if config["regenerate"]["backend"] == "openai" else 1,
     params:
+        **TOKENIZER_CHANGE,  # the target folder's tokenizer files and weights, once edited
+        **WEIGHTS_CHANGE,
         target=TARGET,
         sampling=lambda wc: DATASETS[wc.ds]["regen_sampling"],  # per dataset: a change reruns only its own
         version=FORMAT_VERSIONS["regenerate"],

@@ -1,5 +1,6 @@
 # train: the draft head with training-time test (resumes from train/state after a crash).
 # export: the checkpoint vLLM and SGLang load.
+from eagle3build.config import train_progress_keys
 from eagle3build.train.warm_start import head_files
 
 
@@ -19,7 +20,15 @@ rule train:
     resources:
         gpu=max(1, config["train"]["gpus"]),
     params:
-        train={**GIVEN_CONFIG.get("train", {}), "gpus": config["train"]["gpus"]},
+        # only what changes the weights: logging and resume-point knobs are read from config by the job
+        train={
+            **{
+                k: v
+                for k, v in GIVEN_CONFIG.get("train", {}).items()
+                if k not in train_progress_keys(config["train"])
+            },
+            "gpus": config["train"]["gpus"],
+        },
         target={k: TARGET[k] for k in ("path", "revision")},
         state_dir=f"{OUT}/train/state",
         version=FORMAT_VERSIONS["train"],

@@ -10,8 +10,13 @@ from eagle3build.jobs import run_job  # noqa: E402
 def evaluate(job):
     # The device is a runtime knob from config, not a param: changing it reruns nothing.
     settings = {**job.params.settings, "device": job.config["evaluate"]["device"]}
-    args = (os.path.dirname(job.input.draft), dict(job.params.target), [dict(job.params.eval_set)],
-            job.output.metrics, job.output.plot)
+    # The set's place in evaluate.sets names it in errors; not a param (it changes no result).
+    eval_set = dict(job.params.eval_set)
+    names = [s["name"] for s in job.config["evaluate"]["sets"]]
+    if eval_set["name"] in names:
+        eval_set["index"] = names.index(eval_set["name"])
+    args = (os.path.dirname(job.input.draft), dict(job.params.target), [eval_set], job.output.metrics,
+            job.output.plot)
     if settings.get("backend", "hf") == "vllm":
         from eagle3build.evaluate.vllm import evaluate as run_vllm
 

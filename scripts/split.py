@@ -13,7 +13,7 @@ def split(job):
     ds = job.params.dataset
     report = split_dataset(ds["path"], ds["format"], list(job.output), job.params.shard_size, ds["max_samples"],
                            ds["split"], ds["name"], first_shard=int(job.wildcards.shard),
-                           total_shards=job.params.shards)
+                           total_shards=job.params.shards, revision=ds.get("revision"))
     print(report)
 
 

@@ -10,8 +10,10 @@ from eagle3build.jobs import run_job  # noqa: E402
 def tokens(job):
     from eagle3build.data.prepare import tokenize_shard
 
-    tokenize_shard(job.input.conversations, job.output.tokens, job.output.report, dict(job.params.tokenizer),
-                   job.params.max_length)
+    tokenizer = dict(job.params.tokenizer)
+    thinking = tokenizer.pop("thinking", None)  # in the param only when not the default (staleness)
+    tokenize_shard(job.input.conversations, job.output.tokens, job.output.report, tokenizer,
+                   job.params.max_length, thinking)
 
 
 run_job(tokens)  # the job a rule's run: block handed over (eagle3build/jobs.py)

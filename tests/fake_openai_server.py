@@ -3,6 +3,13 @@
 The answer depends only on the request's messages: "reply {n}: {last user message reversed}" where n
 counts the user messages, cut to `max_tokens` words (finish_reason "length" then). Knobs make the next
 N chat requests fail with HTTP 500, hang past the client's timeout, or return a body that is not JSON.
+
+Like a server started with a reasoning parser and a tool parser (vLLM's `ChatMessage`: `reasoning`,
+formerly `reasoning_content`, which SGLang still uses; `tool_calls` in OpenAI form with the arguments as
+a JSON string, finish_reason "tool_calls", content null when the answer is only a call):
+- `reasoning_field` set: every answer carries "thinking about: {last user message}" in that field;
+- `tool_call_when` set: a user message containing that text is answered with a call of `tool_name`
+  (id "chatcmpl-tool-{n}"), and the answer after the tool result is "tool said: {result}".
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ class FakeOpenAIServer:
         self.hang_next = 0  # the next N chat requests sleep hang_s before answering
         self.garbage_next = 0  # the next N chat requests get a body that is not JSON
         self.fail_if_contains: str | None = None  # always HTTP 500 when a user message contains this
+        self.reasoning_field: str | None = None  # "reasoning" (vLLM) or "reasoning_content" (SGLang)
+        self.tool_call_when: str | None = None  # a user message containing this gets a tool call
+        self.tool_name = "get_weather"
         self.requests: list[dict] = []  # chat request bodies, in arrival order
         self.in_flight = 0
         self.max_in_flight = 0
@@ -58,6 +68,26 @@ class FakeOpenAIServer:
             setattr(self, knob, getattr(self, knob) - 1)
             return True
         return False
+
+    def message(self, request: dict) -> tuple[dict, str]:
+        """The assistant message and finish_reason, shaped like vLLM's ChatCompletionResponse choice."""
+        messages = request["messages"]
+        last_user = [m["content"] for m in messages if m["role"] == "user"][-1]
+        message: dict = {"role": "assistant", "content": None}
+        if self.reasoning_field:
+            message[self.reasoning_field] = f"thinking about: {last_user}"
+        if messages[-1]["role"] == "tool":
+            message["content"] = f"tool said: {messages[-1]['content']}"
+            return message, "stop"
+        if self.tool_call_when and self.tool_call_when in last_user:
+            calls = sum(1 for m in messages if m.get("tool_calls"))
+            message["tool_calls"] = [{
+                "id": f"chatcmpl-tool-{calls}", "type": "function",
+                "function": {"name": self.tool_name, "arguments": json.dumps({"query": last_user})},
+            }]
+            return message, "tool_calls"
+        message["content"], finish = fake_answer(messages, request.get("max_tokens"))
+        return message, finish
 
     def _handler_class(self):
         server = self
@@ -117,14 +147,12 @@ class FakeOpenAIServer:
                     return 500, b'{"error": "internal error"}'
                 if garbage:
                     return 200, b"<html>proxy error</html>", "text/html"
-                content, finish = fake_answer(request["messages"], request.get("max_tokens"))
+                message, finish = server.message(request)
                 body = {
                     "id": "chatcmpl-fake",
                     "object": "chat.completion",
                     "model": server.model,
-                    "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
-                    ],
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                 }
                 return 200, json.dumps(body).encode()
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3build.data.chat import _overlap, char_spans_to_mask, load_tokenizer, render_conversation
+from eagle3build.data.chat import (
+    _overlap,
+    char_spans_to_mask,
+    conversation_samples,
+    load_tokenizer,
+    render_conversation,
+    token_span_mask,
+)
 from eagle3build.data.formats import Record, normalize
 from eagle3build.errors import ConfigError, UserError
 
@@ -168,3 +175,83 @@ def test_overlap_and_mask_helpers():
     assert _overlap("aab", "aabaab") == 3
     mask = char_spans_to_mask([(0, 3), (3, 5), (5, 5), (5, 9)], [(3, 6)])
     assert mask.tolist() == [0, 1, 1, 1]
+
+
+THINKING_IN_CONTENT = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4."},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6."},
+]
+THINKING_FIELD = [
+    {"role": "system", "content": "Think first."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4.", "reasoning_content": "add them"},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6.", "reasoning_content": "add again"},
+]
+
+
+def shapes():
+    """Every conversation shape of this file: system, default system, multi-turn, thinking, tool calls."""
+    out = {"system": WITH_SYSTEM, "default_system": WITHOUT_SYSTEM, "thinking_in_content": THINKING_IN_CONTENT,
+           "thinking_field": THINKING_FIELD}
+    if GLAIVE.is_file():
+        out["glaive_tool_call"] = normalize(Record(json.loads(GLAIVE.read_text())[0], "glaive[0]"), "sharegpt")[0]["messages"]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("thinking", ["served", "train", "drop"])
+def test_token_id_mask_equals_the_offsets_mask(name, thinking):
+    """The mask built without offsets (for slow tokenizers) is the offsets mask, token for token."""
+    tok, *_ = tokenizer_for(name)
+    compared = 0
+    for shape, messages in shapes().items():
+        for item in conversation_samples(tok, {"messages": messages}, thinking):
+            enc = tok(item.text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, mask = token_span_mask(tok, item.text, item.spans)
+            assert ids == enc["input_ids"], shape
+            assert mask.tolist() == char_spans_to_mask(enc["offset_mapping"], item.spans).tolist(), shape
+            assert mask.any()
+            compared += 1
+    assert compared >= 5
+
+
+def test_qwen3_renders_reasoning_content_only_in_the_newest_turn():
+    tok, eot, _ = tokenizer_for("qwen3")
+    runs, *_ = masked_runs(tok, {"messages": THINKING_FIELD})
+    assert runs == ["4." + eot, "<think>\nadd again\n</think>\n\n6." + eot]
+
+
+def test_token_id_mask_with_a_dummy_prefix_tokenizer(tmp_path):
+    """SentencePiece adds a space to every call, so the pieces between boundaries do not spell the
+    text apart: each boundary is then checked by the ids of the text before it. Where that holds (after
+    a newline) the mask is the offsets mask; where the answer's first token absorbs the prompt's last
+    space it is a MaskError, never a wrong mask."""
+    from eagle3build.data.chat import MaskError
+
+    stories = SHARED / "assets" / "models" / "stories260K"
+    if not stories.is_dir():
+        pytest.skip("needs ../shared/assets/models/stories260K")
+    template = tmp_path / "newline.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:\n{% endif %}"
+    )
+    tok = load_tokenizer(str(stories), chat_template=str(template))
+    conversation = {"messages": [
+        {"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": "there was a cat."},
+        {"role": "user", "content": "Then?"}, {"role": "assistant", "content": "It slept."},
+    ]}
+    item = render_conversation(tok, conversation)
+    pieces = tok([item.text[: item.spans[0][0]], item.text[item.spans[0][0] :]], add_special_tokens=False)
+    whole = tok(item.text, add_special_tokens=False, return_offsets_mapping=True)
+    assert sum(pieces["input_ids"], []) != whole["input_ids"]  # the pieces apart are not the whole
+    ids, mask = token_span_mask(tok, item.text, item.spans)
+    assert ids == whole["input_ids"]
+    assert mask.tolist() == char_spans_to_mask(whole["offset_mapping"], item.spans).tolist()
+    tok.chat_template = template.read_text().replace(":\n", ": ")
+    item = render_conversation(tok, conversation)
+    with pytest.raises(MaskError, match="inside a token"):
+        token_span_mask(tok, item.text, item.spans)

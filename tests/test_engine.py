@@ -131,6 +131,28 @@ def test_watchdog_stops_an_idle_server(tmp_path):
     assert "watchdog: idle for" in files.log.read_text()
 
 
+def test_watchdog_stops_the_server_of_a_workflow_that_ended(tmp_path):
+    """Snakemake killed before its onerror hook ran: the server stops once its jobs are gone, not after
+    an hour of idle_s."""
+    files = process.ServerFiles(tmp_path / "s.lock", tmp_path / "s.json", tmp_path / "c.lock", tmp_path / "s.log")
+    workflow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    server = process.start([sys.executable, "-c", SERVER, "term"], files.log)
+    leader, worker = _pids(files.log)
+    owner = {"pid": workflow.pid, "start_ticks": process.start_ticks(workflow.pid)}
+    with files.client():
+        with process.flock(files.lock, fcntl.LOCK_EX):
+            watchdog = process.start_watchdog(files, idle_s=3600)
+            files.state.write_text(json.dumps({"pid": leader, "start_ticks": process.start_ticks(leader),
+                                               "watchdog_pid": watchdog, "owner": owner}))
+        workflow.kill()
+        workflow.wait()
+        time.sleep(1.5)
+        assert process.alive(leader)  # a job still uses it: left running
+    assert _gone(leader) and _gone(worker) and _gone(watchdog)
+    assert server.poll() is not None and not files.state.exists()
+    assert f"its workflow (pid {workflow.pid}) ended" in files.log.read_text()
+
+
 # ---------------------------------------------------------------- http
 class _Server:
     """Answers from a script: each request takes the next (status, body, delay) until one is left."""

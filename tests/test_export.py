@@ -150,3 +150,76 @@ def test_export_refuses_a_mapping_that_was_not_trained_with(trained, tmp_path):
     with pytest.raises(UserError, match="other.safetensors: differs from the mapping"):
         export(str(root / "train" / "draft.safetensors"), other, inputs["target"], str(tmp_path / "x"), {})
     assert not (tmp_path / "x" / "eagle3").exists()
+
+
+# ---------------------------------------------------------------- the aux ids as each engine reads them
+def vllm_captures(draft: dict, num_layers: int) -> list[int]:
+    """The target layers whose input vLLM feeds the draft, read as vLLM does. gpu_model_runner's
+    `_get_eagle3_aux_layers_from_config`: the draft config's top-level `eagle_aux_hidden_state_layer_ids`
+    when it is a non-empty list (newer versions then try `eagle_config`'s), else the target model's default
+    (2, N//2, N-3). The target's forward (models/llama.py, deepseek_v2.py) then captures
+    `hidden_states + residual` before layer idx for each idx in that tuple: the ids are used as they are."""
+    ids = draft.get("eagle_aux_hidden_state_layer_ids")
+    if not (ids and isinstance(ids, (list, tuple))):
+        nested = draft.get("eagle_config")
+        ids = nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, dict) else None
+    if not (ids and isinstance(ids, (list, tuple))):
+        ids = (2, num_layers // 2, num_layers - 3)
+    return [idx for idx in range(num_layers) if idx in tuple(ids)]
+
+
+def sglang_captures(draft: dict, num_layers: int) -> list[int]:
+    """The same, read as SGLang does. model_runner: `eagle_config["eagle_aux_hidden_state_layer_ids"]`
+    inside a try/except (anything missing: None); the target's `set_eagle3_layers_to_capture`:
+    layers_to_capture = [2, N//2, N-3] for None, else [val + 1 for val in ids] ("for the ith layer, it
+    takes the output of the (i-1)th layer"); its forward captures before layer i for i in layers_to_capture."""
+    try:
+        ids = draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    except Exception:
+        ids = None
+    to_capture = [2, num_layers // 2, num_layers - 3] if ids is None else [val + 1 for val in ids]
+    return [i for i in range(num_layers) if i in to_capture]
+
+
+def retrained_with(root, aux_layer_ids: list[int], out):
+    """train's output with other aux ids in its draft config (the weights do not depend on them here)."""
+    from safetensors.torch import save_file
+
+    with safe_open(str(root / "train" / "draft.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    draft_config = json.loads(meta["draft_config"])
+    draft_config["aux_layer_ids"] = aux_layer_ids
+    save_file(tensors, str(out), {**meta, "draft_config": json.dumps(draft_config)})
+    return str(out)
+
+
+@pytest.mark.parametrize("aux", [[1, 2, 4], [0, 3, 5]])
+def test_vllm_and_sglang_both_read_back_the_trained_aux_ids(trained, tmp_path, aux):
+    inputs, root = trained
+    n = json.loads((root / "target" / "config.json").read_text())["num_hidden_layers"]  # 6: default [2, 3, 3]
+    export(retrained_with(root, aux, tmp_path / "draft.safetensors"), inputs["mapping"], inputs["target"],
+           str(tmp_path / "export"), {})
+    config = json.loads((tmp_path / "export" / "eagle3" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == aux  # vLLM's convention: ours
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]  # SGLang's
+    assert vllm_captures(config, n) == aux
+    assert sglang_captures(config, n) == aux
+    # Without the nested key (what the export wrote before) SGLang silently used its default layers.
+    top_level_only = {k: v for k, v in config.items() if k != "eagle_config"}
+    assert sglang_captures(top_level_only, n) != aux and vllm_captures(top_level_only, n) == aux
+
+
+def test_config_records_the_target_as_configured(trained, tmp_path, monkeypatch):
+    """No absolute build path in config.json: the target as written in the config (a hub id, or a path,
+    relative when it was relative), which is what the engines and load_exported resolve where it is used."""
+    inputs, root = trained
+    monkeypatch.chdir(root)
+    export(str(root / "train" / "draft.safetensors"), inputs["mapping"], "target", str(tmp_path / "export"),
+           {"speculators": True})
+    for kind in ("eagle3", "speculators"):
+        text = (tmp_path / "export" / kind / "config.json").read_text()
+        assert str(root) not in text and str(tmp_path) not in text
+    assert json.loads((tmp_path / "export" / "eagle3" / "config.json").read_text())["eagle3build"]["target"] == "target"
+    spec = json.loads((tmp_path / "export" / "speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "target"  # vLLM serves this as the target
+    assert load_exported(tmp_path / "export").config.draft_vocab_size == 64  # the recorded path, from here

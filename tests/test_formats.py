@@ -320,16 +320,18 @@ def test_split_shards_deterministic_and_atomic(tmp_path):
     assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
-def test_a_source_without_records_plans_one_empty_shard(tmp_path):
-    """The workflow plans at least one shard per dataset; a source without records gets one empty shard."""
+def test_a_source_without_records_plans_one_shard_whose_split_fails(tmp_path):
+    """The workflow plans at least one shard per dataset; a source without records fails its split job,
+    naming the dataset (a dataset that yields nothing must not pass silently)."""
     path = tmp_path / "empty.jsonl"
     path.write_text("")
     assert count_records(str(path)) == 0
     assert plan_shards(0, 10, None) == 1 and plan_shards(0, 10, 5) == 1
     assert [plan_shards(n, 10, None) for n in (1, 10, 11)] == [1, 1, 2] and plan_shards(30, 10, 12) == 2
     out = tmp_path / "o" / "00000.jsonl"
-    report = split_dataset(str(path), "auto", [str(out)], 10, None, None, "e", total_shards=1)
-    assert out.read_text() == "" and report["records_read"] == 0 and report["shard_counts"] == [0]
+    with pytest.raises(UserError, match="dataset 'e' .*yields no samples: the source has no records"):
+        split_dataset(str(path), "auto", [str(out)], 10, None, None, "e", total_shards=1)
+    assert not out.exists()
 
 
 def test_split_fails_whole_when_a_later_record_is_bad(tmp_path):

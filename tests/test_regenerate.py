@@ -90,15 +90,18 @@ def test_multi_turn_replay_uses_generated_answers_as_context(tmp_path):
     # The second turn's request carried the target's own first answer, not the dataset's.
     second = [r for r in server.requests if len(r["messages"]) == 4]
     assert len(second) == 1 and second[0]["messages"][2]["content"] == "reply 1: ereht olleh"
-    # The tool conversation ends before the tool message (its results answer calls no longer made).
+    # The target answered without the dataset's tool call: its results are skipped, the next user
+    # turn continues the conversation.
     tool = out[2]
     assert tool["tools"] == TOOLS
-    assert [m["role"] for m in tool["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in tool["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert "sunny" not in json.dumps(tool)
     tool_requests = [r for r in server.requests if r["messages"][0]["content"] == "weather in Paris?"]
     assert tool_requests[0]["tools"] == TOOLS
     assert report["samples"] == 4
     assert (report["ok"], report["failed"], report["skipped"], report["truncated"]) == (3, 0, 1, 0)
-    assert report["cut_at_tool"] == 1 and report["written"] == 3
+    assert report["stopped_at_tool_call"] == 0 and report["tool_results_replayed"] == 0
+    assert report["written"] == 3
     assert not (tmp_path / "out.jsonl.partial.jsonl").exists()
 
 
@@ -191,7 +194,7 @@ def test_hf_backend_resumes_mid_conversation(tmp_path, stories_target):
     a_half = Replay(samples[0])
     a_half.next_prompt()
     a_half.add_answer("SAVED ANSWER", True)
-    partial.start({1: {"sample": b_done, "truncated": False, "cut_at_tool": False}}, {0: a_half.state()})
+    partial.start({1: {"sample": b_done, "truncated": False, "stopped_at_tool_call": False}}, {0: a_half.state()})
     partial.close()
     out, report = run(tmp_path, samples, params, stories_target)
     assert report["resumed"] == 1 and report["resumed_turns"] == 1 and report["ok"] == 2

@@ -18,6 +18,9 @@ from workflow_util import copy_workflow, planned_params, write_config
 TEMPLATE = str(Path(__file__).parent / "data" / "chat_template.jinja")
 DEMO_TARGET = "models/SmolLM2-135M-Instruct"
 EXPORT = {"speculators": False, "dtype": "bfloat16", "include_embed_tokens": False}
+# The export format changed on purpose (SGLang's eagle_config ids, the target as configured): only export
+# and evaluate rerun. Every other version stays 1.
+EXPORT_VERSION = 2
 
 
 def stories(*keys: str) -> dict:
@@ -42,7 +45,7 @@ def expected_demo() -> dict:
             "version": 1,
         },
         "export": {"export": EXPORT, "target": demo_target("path", "revision"), "out_dir": "build/export",
-                   "version": 1},
+                   "version": EXPORT_VERSION},
         "extract": {"target": demo_target("path", "revision", "trust_remote_code", "dtype"), "backend": "hf",
                     "storage_dtype": "bf16", "aux_layer_ids": [2, 15, 27], "image": "", "version": 1,
                     "run_dir": "build/.run"},
@@ -63,7 +66,8 @@ def expected_workflow_test() -> dict:
     alpaca = str(SHARED / "assets" / "data" / "train" / "alpaca_en_demo.json")
     return {
         "all": {},
-        "export": {"export": EXPORT, "target": stories("path", "revision"), "out_dir": "build/export", "version": 1},
+        "export": {"export": EXPORT, "target": stories("path", "revision"), "out_dir": "build/export",
+                   "version": EXPORT_VERSION},
         "extract": {"target": stories("path", "revision", "trust_remote_code", "dtype"), "backend": "hf",
                     "storage_dtype": "bf16", "aux_layer_ids": [2, 2, 2], "image": "", "version": 1,
                     "run_dir": "build/.run"},
@@ -88,7 +92,8 @@ def expected_chain_test() -> dict:
             "settings": {"k": [1, 3, 5], "max_new_tokens": 32, "max_samples": None, "sequential_k": [3]},
             "version": 1,
         },
-        "export": {"export": EXPORT, "target": stories("path", "revision"), "out_dir": "build/export", "version": 1},
+        "export": {"export": EXPORT, "target": stories("path", "revision"), "out_dir": "build/export",
+                   "version": EXPORT_VERSION},
         "extract": {"target": stories("path", "revision", "trust_remote_code", "dtype"), "backend": "hf",
                     "storage_dtype": "bf16", "aux_layer_ids": [2, 2, 2], "image": "", "version": 1,
                     "run_dir": "build/.run"},

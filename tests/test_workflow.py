@@ -115,6 +115,15 @@ def test_settings_that_change_hidden_states_plan_all_extraction(built, change):
     assert "split" not in jobs
 
 
+def test_prepare_thinking_changes_tokens_only_when_not_the_default(built):
+    cfg = base_config()
+    cfg["prepare"]["thinking"] = "served"  # the default, written out: the same params
+    assert plan(built, cfg) == {}
+    cfg["prepare"]["thinking"] = "train"
+    jobs = plan(built, cfg)
+    assert jobs.get("tokens") == 3 and "split" not in jobs, jobs
+
+
 def test_runtime_knobs_plan_nothing(built):
     cfg = base_config()
     cfg["extract"].update(batch_tokens=123, server_idle_s=5, devices=["cpu"])

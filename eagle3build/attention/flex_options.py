@@ -135,8 +135,18 @@ def choose(limit: int, qk_dim: int, v_dim: int, itemsize: int = 2) -> tuple[Forw
     """The forward and backward tiles for a device with `limit` bytes of shared memory per block."""
     dim = max(rounded(qk_dim), rounded(v_dim), 64)
     budget = limit - HEADROOM_BYTES
-    fwd = _fit(SMALL_SMEM_FORWARD.get(dim), FORWARD_LADDER, lambda f: forward_smem_bytes(f, qk_dim, v_dim, itemsize), budget)
-    bwd = _fit(SMALL_SMEM_BACKWARD.get(dim), BACKWARD_LADDER, lambda b: backward_smem_bytes(b, qk_dim, v_dim, itemsize), budget)
+    fwd = _fit(
+        SMALL_SMEM_FORWARD.get(dim),
+        FORWARD_LADDER,
+        lambda f: forward_smem_bytes(f, qk_dim, v_dim, itemsize),
+        budget,
+    )
+    bwd = _fit(
+        SMALL_SMEM_BACKWARD.get(dim),
+        BACKWARD_LADDER,
+        lambda b: backward_smem_bytes(b, qk_dim, v_dim, itemsize),
+        budget,
+    )
     return fwd, bwd
 
 
@@ -157,7 +167,11 @@ def as_kernel_options(fwd: Forward, bwd: Backward) -> dict[str, int]:
 
 
 def flex_kernel_options(
-    capability: tuple[int, int], smem_per_block: int | None, qk_dim: int, v_dim: int | None = None, itemsize: int = 2
+    capability: tuple[int, int],
+    smem_per_block: int | None,
+    qk_dim: int,
+    v_dim: int | None = None,
+    itemsize: int = 2,
 ) -> dict[str, int] | None:
     """Flex attention's kernel options for a device: None (torch's choice) unless its shared memory is
     small, then tiles that fit (see the module doc). Pure: tests call it with any device's figures."""

@@ -167,8 +167,9 @@ def _iter_json_list(path: Path) -> Iterator[Record]:
         yield Record(data, f"{path} record {i}")
 
 
-def _load_hf(source: str, split: str | None):
-    """`hf:<id>` via datasets.load_dataset, or a local folder (save_to_disk output or data files)."""
+def _load_hf(source: str, split: str | None, revision: str | None = None):
+    """`hf:<id>` via datasets.load_dataset (at `revision`, a hub commit, when given), or a local folder
+    (save_to_disk output or data files)."""
     import datasets
 
     target = source[3:] if source.startswith("hf:") else source
@@ -182,7 +183,8 @@ def _load_hf(source: str, split: str | None):
             elif split not in (None, "train"):
                 raise UserError(f"{source}: a single saved dataset has no split '{split}'; drop `split`")
             return ds
-        return datasets.load_dataset(target, split=split or "train")
+        pinned = {"revision": revision} if revision else {}
+        return datasets.load_dataset(target, split=split or "train", **pinned)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ValueError...)
@@ -192,13 +194,15 @@ def _load_hf(source: str, split: str | None):
         ) from e
 
 
-def iter_raw_records(source: str, split: str | None = None, start: int = 0) -> Iterator[tuple[int, Record]]:
+def iter_raw_records(
+    source: str, split: str | None = None, start: int = 0, revision: str | None = None
+) -> Iterator[tuple[int, Record]]:
     """Yield (index, raw record) from record `start` on, streaming where the container allows.
 
     JSONL lines before `start` are skipped without being parsed, so a shard job reads its range cheaply.
     """
     if _is_hf_source(source):
-        dataset = _load_hf(source, split)
+        dataset = _load_hf(source, split, revision)
         for i in range(start, len(dataset)):
             yield i, Record(dict(dataset[i]), f"{source} row {i}")
         return
@@ -211,7 +215,7 @@ def iter_raw_records(source: str, split: str | None = None, start: int = 0) -> I
     yield from iter_jsonl_from(path, start)
 
 
-def count_records(source: str, fmt: str = "auto", split: str | None = None) -> int:
+def count_records(source: str, fmt: str = "auto", split: str | None = None, revision: str | None = None) -> int:
     """Number of records in a source, cheaply: JSONL counts non-empty lines without parsing them.
 
     Skipped records still count (the split stage numbers and shards by source position), so this is the
@@ -219,7 +223,7 @@ def count_records(source: str, fmt: str = "auto", split: str | None = None) -> i
     """
     check_format(fmt)
     if _is_hf_source(source):
-        return len(_load_hf(source, split))
+        return len(_load_hf(source, split, revision))
     path = Path(source)
     if _is_json_list(path):
         return sum(1 for _ in _iter_json_list(path))
@@ -454,11 +458,16 @@ def normalize(record: Record, fmt: str) -> tuple[dict, int]:
 
 
 def iter_conversations(
-    source: str, fmt: str = "auto", split: str | None = None, key: str = "datasets[i].format", start: int = 0
+    source: str,
+    fmt: str = "auto",
+    split: str | None = None,
+    key: str = "datasets[i].format",
+    start: int = 0,
+    revision: str | None = None,
 ) -> Iterator[tuple[int, Record, dict | SkipRecord, int]]:
     """Yield (source index, raw record, normalized conversation or the SkipRecord, leading turns dropped)."""
     check_format(fmt, key)
-    for index, record in iter_raw_records(source, split, start):
+    for index, record in iter_raw_records(source, split, start, revision):
         if fmt == "auto":
             fmt = detect_format(record.data, record.where, key)
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from eagle3build.atomic import atomic_path, write_json_atomic
 from eagle3build.data.formats import SkipRecord, iter_conversations, iter_jsonl
 from eagle3build.errors import UserError
+from eagle3build.trust import check_trust
 
 MAX_EXAMPLES = 10  # skipped/dropped records listed by location in a report
 TOKENIZE_BATCH = 256  # texts per call of the (Rust, multi-threaded) batch tokenizer
@@ -40,6 +41,7 @@ def split_dataset(
     name: str,
     first_shard: int = 0,
     total_shards: int | None = None,
+    revision: str | None = None,
 ) -> dict:
     """Normalize a dataset into JSONL shards; source record i goes to shard i // shard_size.
 
@@ -70,7 +72,7 @@ def split_dataset(
     with contextlib.ExitStack() as stack:
         temps = [stack.enter_context(atomic_path(p)) for p in out_paths]
         shard, out = -1, None
-        for index, record, conversation, dropped in iter_conversations(source, fmt, split, key, start):
+        for index, record, conversation, dropped in iter_conversations(source, fmt, split, key, start, revision):
             if index >= end and index < limit:
                 break  # the next shard's job takes it from here
             if index >= limit:
@@ -95,37 +97,65 @@ def split_dataset(
             report["conversations_written"] += 1
         if out is not None:
             out.close()
-        whole_dataset = first_shard == 0 and len(out_paths) == total_shards
-        if whole_dataset and report["records_read"] and not report["conversations_written"]:
-            raise UserError(
-                f"{source}: all {report['records_read']} records were skipped (e.g. "
-                f"{report['skipped_examples'][0]['record']}: {report['skipped_examples'][0]['detail']}); "
-                f"check the dataset's format ('{fmt}')"
-            )
+        if not report["conversations_written"]:
+            raise UserError(_no_conversations(report, name, first_shard, len(out_paths), total_shards))
     return report
 
 
+def _no_conversations(report: dict, name: str, first_shard: int, shards: int, total_shards: int) -> str:
+    """Why a split job wrote no conversation: a dataset (or a shard of it) that trains on nothing is a
+    mistake, never a silent success."""
+    what = f"dataset '{name}' ({report['source']})"
+    if shards < total_shards:
+        what += f", shard {first_shard}" if shards == 1 else f", shards {first_shard}-{first_shard + shards - 1}"
+    if not report["records_read"]:
+        return (f"{what}: yields no samples: the source has no records (an empty file or folder?), or fewer "
+                "than when the workflow was planned; fill it or remove the dataset from `datasets`")
+    example = report["skipped_examples"][0]
+    return (f"{what}: yields no samples: all {report['records_read']} records were skipped "
+            f"({', '.join(f'{k}: {v}' for k, v in sorted(report['skipped'].items()))}; e.g. {example['record']}: "
+            f"{example['detail']}); check the dataset's format ('{report['format']}') and its records")
+
+
 # ---------------------------------------------------------------- tokens
+def _no_samples(report: dict, conv_path: str) -> str:
+    """Why a tokens job kept no sample: a shard that trains on nothing is a mistake, never a silent
+    success. The dataset is named by the shard's folder (data/<dataset>/ or regen/<dataset>/)."""
+    what = f"dataset '{Path(conv_path).parent.name}' ({conv_path})"
+    if not report["samples_in"]:
+        return (f"{what}: yields no samples: the shard holds no conversation (every one was dropped before "
+                "tokenizing, e.g. by regenerate.drop_truncated); check the dataset and its split report")
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report["dropped"].items()))
+    example = report["dropped_examples"][0]
+    return (f"{what}: yields no samples: all {report['samples_in']} conversations were dropped ({reasons}; e.g. "
+            f"{example['id']}: {example['reason']} {example['detail']}); a dataset needs assistant turns to train "
+            "on (prompt-only datasets need `regenerate: true`) that fit prepare.max_length")
+
+
 def _read_conversations(path: str) -> list[dict]:
     return [record.data for record in iter_jsonl(path)]
 
 
 def tokenize_shard(
-    conv_path: str, out_tokens: str, out_report: str, tokenizer: dict, max_length: int
+    conv_path: str, out_tokens: str, out_report: str, tokenizer: dict, max_length: int, thinking: str | None = None
 ) -> dict:
     """Render, tokenize and mask one conversation shard; write the token shard and its report.
 
-    `tokenizer` = {"path", "revision", "trust_remote_code", "chat_template" (file or None)}. Samples longer
-    than max_length are truncated; samples without an assistant turn, without loss tokens after truncation,
-    or that the chat template rejects are dropped and counted by reason.
+    `tokenizer` = {"path", "revision", "trust_remote_code", "chat_template" (file or None)}; `thinking`:
+    prepare.thinking (None: the schema's default; eagle3build.data.chat.conversation_samples). Samples
+    longer than max_length are truncated; samples without an assistant turn, without loss tokens after
+    truncation, that the chat template rejects, or whose mask boundary falls inside a token (token-id
+    path of tokenizers without offsets) are dropped and counted by reason.
     """
     import torch
 
+    from eagle3build.config import resolve_section
     from eagle3build.data.chat import (
+        MaskError,
         TemplateError,
-        char_spans_to_mask,
+        conversation_samples,
+        encode_masked,
         load_tokenizer,
-        render_conversation,
         special_tokens,
     )
     from eagle3build.shards import write_tokens
@@ -135,10 +165,11 @@ def tokenize_shard(
     tok = load_tokenizer(
         tokenizer["path"],
         tokenizer.get("revision"),
-        bool(tokenizer.get("trust_remote_code")),
+        tokenizer.get("trust_remote_code") is True,
         tokenizer.get("chat_template"),
     )
     specials = special_tokens(tok)
+    thinking = resolve_section("prepare", {} if thinking is None else {"thinking": thinking})["thinking"]
     conversations = _read_conversations(conv_path)
     report = {
         "source": conv_path,
@@ -150,6 +181,9 @@ def tokenize_shard(
         "dropped_examples": [],
         "truncated": 0,
         "tool_calls_as_text": 0,
+        "thinking": thinking,
+        "reasoning_as_text": 0,
+        "samples_from_thinking_turns": 0,
         "tokens": 0,
         "loss_tokens": 0,
     }
@@ -167,23 +201,25 @@ def tokenize_shard(
             drop(conversation, "no_assistant_turn")
             continue
         try:
-            item = render_conversation(tok, conversation, specials)
+            items = conversation_samples(tok, conversation, thinking, specials)
         except TemplateError as e:
             drop(conversation, "template_error", str(e))
             continue
         except UserError as e:
             raise UserError(f"{conv_path} conversation {conversation.get('id')}: {e}") from e
-        report["tool_calls_as_text"] += item.calls_as_text
-        rendered.append((conversation, item))
+        report["tool_calls_as_text"] += items[-1].calls_as_text
+        report["reasoning_as_text"] += items[-1].reasoning_as_text
+        report["samples_from_thinking_turns"] += len(items) - 1
+        rendered.extend((conversation, item) for item in items)
 
     input_ids, loss_masks = [], []
     for batch_start in range(0, len(rendered), TOKENIZE_BATCH):
         batch = rendered[batch_start : batch_start + TOKENIZE_BATCH]
-        encoded = tok([item.text for _, item in batch], add_special_tokens=False, return_offsets_mapping=True)
-        for (conversation, item), ids, offsets in zip(
-            batch, encoded["input_ids"], encoded["offset_mapping"], strict=True
-        ):
-            mask = char_spans_to_mask(offsets, item.spans)
+        for (conversation, _), encoded in zip(batch, encode_masked(tok, [item for _, item in batch]), strict=True):
+            if isinstance(encoded, MaskError):
+                drop(conversation, "mask_boundary_inside_token", str(encoded))
+                continue
+            ids, mask = encoded
             if len(ids) > max_length:
                 report["truncated"] += 1
                 ids, mask = ids[:max_length], mask[:max_length]
@@ -200,6 +236,8 @@ def tokenize_shard(
             f"{conv_path}: the chat template failed on every conversation (e.g. {example['id']}: "
             f"{example['detail']}); set target.chat_template to a template that accepts these roles"
         )
+    if not input_ids:
+        raise UserError(_no_samples(report, conv_path))
     report["samples_kept"] = len(input_ids)
     write_tokens(
         out_tokens,
@@ -275,8 +313,11 @@ def show_sample(
     tokenizer_path = tokenizer_path or shard.meta.get("tokenizer")
     from transformers import AutoTokenizer
 
+    revision = shard.meta.get("revision")
+    # --config grants remote code; the policy still decides (a hub tokenizer's code runs only pinned)
+    check_trust({"path": tokenizer_path, "revision": revision, "trust_remote_code": trust_remote_code})
     tok = AutoTokenizer.from_pretrained(
-        tokenizer_path, revision=shard.meta.get("revision"), trust_remote_code=trust_remote_code
+        tokenizer_path, revision=revision, trust_remote_code=trust_remote_code is True
     )
     ids, mask = (t.tolist() for t in shard.sample(index))
     color = out.isatty() if color is None else color
@@ -300,7 +341,7 @@ def _config_trusts_remote_code(config_path: str | None) -> bool:
         config = yaml.safe_load(Path(config_path).read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as e:
         raise UserError(f"{config_path}: cannot read the config ({e})") from e
-    return bool((config.get("target") or {}).get("trust_remote_code", False))
+    return (config.get("target") or {}).get("trust_remote_code") is True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,16 @@ Two backends:
 Both backends append every finished turn to `out_path + ".partial.jsonl"` (finished conversations, and the
 context of unfinished ones), so a killed job restarts at the first turn it had not finished.
 
-Conversations cut short: a `tool` message answers the dataset's tool calls, which the regenerated
-assistant turn no longer makes, so a conversation ends before its first `tool` message (counted as
-`cut_at_tool`); a generated answer that calls a tool ends the conversation too (nobody runs the tool).
+Thinking: the reasoning a target writes is kept on its assistant message as `reasoning_content` (the
+field chat templates read): the openai backend takes what the server's reasoning parser returns
+(`reasoning_content`, or `reasoning` as vLLM now names it); the hf backend splits the generated text
+at the tokenizer's </think> token when it has <think>/</think> tokens (Kimi-style templates). Which
+reasoning is trained is the tokens stage's choice (prepare.thinking).
+
+Tool calls (eagle3build/data/replay.py): when the target's answer calls the tools the dataset's turn
+called (by position and name), the dataset's tool results are replayed and the target continues;
+otherwise the conversation stops at that call (counted as `stopped_at_tool_call`). The openai backend
+gets the calls from the server's tool parser; the hf backend has none (calls stay text in the answer).
 A conversation whose generation fails is dropped from the output and counted, never kept with its old
 answers.
 """
@@ -65,6 +72,7 @@ class HFBackend:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token_id = self.eos[0]  # masked by the attention mask; never read
         self.model_name = target_path(target)
+        self.think = self.think_tokens()
 
     def generation_config(self):
         from transformers import GenerationConfig
@@ -100,8 +108,28 @@ class HFBackend:
                 out.append([i])  # a single row always runs, even over the token budget
         return out
 
-    def answer(self, prompts: list[list[int]], seed: int) -> list[tuple[str, bool]]:
-        """(text, truncated) for each prompt (token ids), generated as one left-padded batch."""
+    def think_tokens(self) -> tuple[int, int] | None:
+        """Ids of <think> and </think> when the tokenizer has them as single tokens."""
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+        unknown = self.tokenizer.unk_token_id
+        return None if any(i is None or i == unknown for i in ids) else (ids[0], ids[1])
+
+    def split_reasoning(self, tokens: list[int], truncated: bool) -> tuple[str, str | None]:
+        """(content, reasoning) of generated tokens: the reasoning is what precedes </think> (after an
+        opening <think>, when the output has one); an output cut inside its thinking is all reasoning."""
+        think = self.think
+
+        def text(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        if think is None or not (think[1] in tokens or (truncated and tokens[:1] == [think[0]])):
+            return text(tokens), None
+        end = tokens.index(think[1]) if think[1] in tokens else len(tokens)
+        head = tokens[1:end] if tokens[:1] == [think[0]] else tokens[:end]
+        return text(tokens[end + 1 :]), text(head)
+
+    def answer(self, prompts: list[list[int]], seed: int) -> list[tuple[str, bool, str | None]]:
+        """(text, truncated, reasoning) for each prompt (token ids), generated as one left-padded batch."""
         from transformers import set_seed
 
         batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
@@ -113,7 +141,8 @@ class HFBackend:
             ends = [i for i, t in enumerate(row) if t in self.eos]
             truncated = not ends
             tokens = row if truncated else row[: ends[0]]
-            answers.append((self.tokenizer.decode(tokens, skip_special_tokens=True), truncated))
+            content, reasoning = self.split_reasoning(tokens, truncated)
+            answers.append((content, truncated, reasoning))
         return answers
 
     def run(self, replays: dict[int, Replay], on_turn: Callable[[int, Replay], None]) -> Iterator[tuple[int, Replay | Exception]]:
@@ -132,9 +161,9 @@ class HFBackend:
                 seed = int(self.params["seed"]) + 100_003 * round_no + batch_no
                 answers = self.answer([prompts[i] for i in rows], seed)
                 finished = 0
-                for i, (text, truncated) in zip(rows, answers, strict=True):
+                for i, (text, truncated, reasoning) in zip(rows, answers, strict=True):
                     index, replay = waiting[i]
-                    replay.add_answer(text, truncated)
+                    replay.add_answer(text, truncated, reasoning=reasoning)
                     if replay.next_prompt() is None:
                         finished += 1
                         yield index, replays.pop(index)
@@ -148,6 +177,14 @@ class HFBackend:
                     flush=True,
                 )
             round_no += 1
+
+
+def _request_messages(messages: list[dict]) -> list[dict]:
+    """The context as a server reads it. vLLM takes an assistant message's thinking from `reasoning`
+    (its chat_utils hands it to the template as reasoning_content), SGLang from `reasoning_content`:
+    both are sent, so a template that renders the thinking of turns after the last user message (a
+    tool call's turn, before its result) sees it as the tokens stage will."""
+    return [{**m, "reasoning": m["reasoning_content"]} if m.get("reasoning_content") else m for m in messages]
 
 
 class OpenAIBackend:
@@ -175,14 +212,16 @@ class OpenAIBackend:
         p = self.params
         while (messages := replay.next_prompt()) is not None:
             answer = self.client.chat(
-                messages,
+                _request_messages(messages),
                 tools=replay.tools,
                 temperature=float(p["temperature"]),
                 top_p=float(p["top_p"]),
                 max_tokens=int(p["max_new_tokens"]),
                 seed=int(p["seed"]) + index,  # per request, so the result does not depend on scheduling
             )
-            replay.add_answer(answer.content, answer.finish_reason == "length", answer.tool_calls)
+            replay.add_answer(
+                answer.content, answer.finish_reason == "length", answer.tool_calls, answer.reasoning
+            )
             if replay.next_prompt() is not None:
                 on_turn(index, replay)
         return replay
@@ -223,6 +262,7 @@ def _fingerprint(in_path: str, target: dict, params: dict) -> str:
     keys = ("backend", "temperature", "top_p", "max_new_tokens", "seed", "batch_size", "batch_tokens", "model")
     settings = {k: params[k] for k in keys}
     settings["target"] = {k: target.get(k) for k in ("path", "model", "revision", "chat_template")}
+    settings["replay"] = 2  # tool rounds and reasoning in the saved states: older partial files do not resume
     digest = hashlib.sha256(Path(in_path).read_bytes())
     digest.update(json.dumps(settings, sort_keys=True).encode())
     return digest.hexdigest()
@@ -274,7 +314,11 @@ def regenerate_shard(in_path: str, out_path: str, out_report: str, target: dict,
         "failed": len(errors),
         "truncated": sum(r["truncated"] for r in done.values()),
         "skipped": len(skipped),
-        "cut_at_tool": sum(r["cut_at_tool"] for r in done.values()),
+        "stopped_at_tool_call": sum(bool(r.get("stopped_at_tool_call")) for r in done.values()),
+        "tool_results_replayed": sum(int(r.get("tool_results", 0)) for r in done.values()),
+        "with_reasoning": sum(
+            any(m.get("reasoning_content") for m in r["sample"]["messages"]) for r in done.values()
+        ),
         "resumed": resumed,
         "resumed_turns": resumed_turns,
         "written": len(kept),

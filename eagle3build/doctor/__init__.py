@@ -9,12 +9,15 @@ One module per area, each check a function of the `Context` that returns a `Chec
 - target.py: trust policy (remote code needs a pinned revision), target config, tokenizer (under the
   configured trust policy), vocab sizes (tokenizer ids and the draft vocab must fit the target vocab),
   aux layer ids;
+- mask.py: the assistant-only loss mask of a probe conversation (masked tokens decode to exactly the
+  assistant parts), with the tokenizer the tokenizer check loaded;
 - engine.py: vLLM (extract_hidden_states + ExampleHiddenStatesConnector), architecture (MLA targets are
   unsupported by the connector), sequence length (max_model_len);
 - machine.py: GPUs and GPU memory, the training attention kernel (train.attention: flash), free disk;
 - devices.py: each GPU's compute capability, memory and shared memory (the flex kernel tiles training
   uses there), and whether the extraction server's tensor-parallel plan fits (weights / TP + KV cache +
-  hidden-state cache per GPU vs memory x gpu_memory_utilization).
+  hidden-state cache per GPU vs memory x gpu_memory_utilization);
+- data.py: hf: datasets without a pinned revision (a change upstream would never rerun anything).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import sys
 from collections.abc import Callable
 
 from eagle3build.doctor.context import Check, Context
+from eagle3build.doctor.data import check_dataset_revisions
 from eagle3build.doctor.devices import check_devices
 from eagle3build.doctor.engine import check_architecture, check_max_len, check_vllm
 from eagle3build.doctor.machine import check_attention, check_disk, check_gpus
+from eagle3build.doctor.mask import check_mask
 from eagle3build.doctor.target import (
     check_layers,
     check_target_config,
@@ -41,6 +46,7 @@ CHECKS: list[tuple[str, Callable[[Context, str], Check], set[str]]] = [
     ("trust", lambda c, s: check_trust_policy(c), {"all", "tokens", "extract", "train"}),
     ("config", lambda c, s: check_target_config(c), {"all", "tokens", "extract", "train"}),
     ("tokenizer", lambda c, s: check_tokenizer(c), {"all", "tokens", "extract"}),
+    ("mask", lambda c, s: check_mask(c), {"all", "tokens", "extract"}),
     ("vocab", lambda c, s: check_vocab(c), {"all", "tokens", "extract", "train"}),
     ("layers", lambda c, s: check_layers(c), {"all", "extract", "train"}),
     ("vllm", lambda c, s: check_vllm(c), {"all", "extract"}),
@@ -50,6 +56,7 @@ CHECKS: list[tuple[str, Callable[[Context, str], Check], set[str]]] = [
     ("devices", check_devices, {"all", "extract", "train"}),
     ("attention", lambda c, s: check_attention(c), {"all", "train"}),
     ("disk", lambda c, s: check_disk(c), {"all", "extract"}),
+    ("datasets", lambda c, s: check_dataset_revisions(c), {"all", "tokens", "extract"}),
 ]
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3build.config import section_defaults, section_schema
 
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 GB = 1e9
 
 
@@ -76,7 +74,3 @@ class Context:
     @property
     def revision(self) -> str | None:
         return self.target.get("revision")
-
-    @property
-    def remote_code_unpinned(self) -> bool:
-        return self.trust and not self.is_local and not _COMMIT.match(str(self.revision or ""))

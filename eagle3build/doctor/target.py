@@ -6,48 +6,52 @@ configured trust policy).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from eagle3build.config import check_aux_layer_ids, deepseek_family, default_aux_layer_ids, vllm_serves_target
+from eagle3build.config import (
+    check_aux_layer_ids,
+    deepseek_family,
+    default_aux_layer_ids,
+    read_model_config,
+    vllm_serves_target,
+)
 from eagle3build.doctor.context import Check, Context
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.trust import check_trust, remote_code_classes
+
+# The fix for each key the trust policy can name.
+_TRUST_FIXES = {
+    "target.revision": "set target.revision to the 40-character commit sha of the model repo (its 'Files' "
+                       "history) whose code you reviewed",
+    "target.trust_remote_code": "review the repo's code, then set target.trust_remote_code: true "
+                                "(with target.revision pinned to a commit for hub models)",
+}
+
+
+def _trust_refusal(ctx: Context) -> UserError | None:
+    """Why the trust policy refuses the target (`eagle3build.trust.check_trust`), or None."""
+    try:
+        check_trust(ctx.target)
+    except UserError as e:
+        return e
+    return None
 
 
 def check_trust_policy(ctx: Context) -> Check:
     name = "trust policy"
+    refused = _trust_refusal(ctx)
+    if refused is not None:
+        fix = _TRUST_FIXES.get(getattr(refused, "key", ""), "check target.model")
+        return Check(name, "fail", str(refused), fix)
     if not ctx.trust:
         return Check(name, "ok", "remote code is not allowed (target.trust_remote_code: false)")
     if ctx.is_local:
         return Check(name, "ok", f"remote code allowed from the local folder {ctx.model} (review its *.py)")
-    if ctx.remote_code_unpinned:
-        return Check(
-            name,
-            "fail",
-            f"target.trust_remote_code is true for the hub model '{ctx.model}' but target.revision is "
-            f"{ctx.revision!r}, not a commit: the code that runs could change under you",
-            "set target.revision to the 40-character commit sha of the model repo (its 'Files' history)",
-        )
     return Check(name, "ok", f"remote code allowed from '{ctx.model}' pinned at {ctx.revision}")
-
-
-def _read_config_dict(ctx: Context) -> dict:
-    """config.json as a plain dict: no remote code runs to read it."""
-    if ctx.is_local:
-        path = Path(ctx.model) / "config.json"
-        if not path.is_file():
-            raise UserError(f"config key 'target.model': {ctx.model} has no config.json")
-        return json.loads(path.read_text())
-    from transformers import PretrainedConfig
-
-    config, _ = PretrainedConfig.get_config_dict(ctx.model, revision=ctx.revision)
-    return config
 
 
 def check_target_config(ctx: Context) -> Check:
     name = "target config"
     try:
-        full = _read_config_dict(ctx)
+        full = read_model_config(ctx.model, ctx.revision)
     except Exception as e:
         return Check(
             name,
@@ -75,58 +79,16 @@ def check_target_config(ctx: Context) -> Check:
     )
 
 
-def _tokenizer_auto_map(ctx: Context) -> dict:
-    if ctx.is_local:
-        path = Path(ctx.model) / "tokenizer_config.json"
-    else:
-        from transformers.utils import cached_file
-
-        found = cached_file(
-            ctx.model,
-            "tokenizer_config.json",
-            revision=ctx.revision,
-            _raise_exceptions_for_missing_entries=False,
-        )
-        path = Path(found) if found else None
-    if path is None or not path.is_file():
-        return {}
-    return json.loads(path.read_text()).get("auto_map") or {}
-
-
 def check_tokenizer(ctx: Context) -> Check:
     name = "tokenizer"
-    if ctx.remote_code_unpinned:
-        return Check(
-            name, "skip", "not loaded: remote code from an unpinned revision is never run (see trust policy)"
-        )
+    if _trust_refusal(ctx) is not None:
+        return Check(name, "skip", "not loaded: the trust policy refuses the target's code (see trust policy)")
     try:
-        auto_map = _tokenizer_auto_map(ctx)
-    except Exception as e:
-        return Check(
-            name,
-            "fail",
-            f"cannot read tokenizer_config.json of '{ctx.model}' ({e})",
-            "check target.model / target.revision",
-        )
-    needs_code = "AutoTokenizer" in auto_map
-    if needs_code and not ctx.trust:
-        classes = [
-            c
-            for c in (
-                auto_map["AutoTokenizer"]
-                if isinstance(auto_map["AutoTokenizer"], list)
-                else [auto_map["AutoTokenizer"]]
-            )
-            if c
-        ]
-        return Check(
-            name,
-            "fail",
-            f"the tokenizer of '{ctx.model}' is custom code ({', '.join(classes)}) that loads only with "
-            f"remote code, and target.trust_remote_code is false",
-            "review the repo's tokenizer code, then set target.trust_remote_code: true "
-            "(with target.revision pinned to a commit for hub models)",
-        )
+        classes = remote_code_classes(ctx.model, ctx.revision)
+        needs_code = ctx.trust and any(" AutoTokenizer -> " in c for c in classes)
+    except UserError as e:
+        return Check(name, "fail", f"cannot read tokenizer_config.json of '{ctx.model}' ({e})",
+                     "check target.model / target.revision")
     from transformers import AutoTokenizer
 
     try:
@@ -180,7 +142,7 @@ def check_layers(ctx: Context) -> Check:
     if ctx.target_config is None:
         return Check(name, "skip", "no target config")
     n = int(ctx.target_config["num_hidden_layers"])
-    vllm = vllm_serves_target({"extract": ctx.extract, "evaluate": ctx.section("evaluate")})
+    vllm = vllm_serves_target({"extract": ctx.extract})
     family = deepseek_family(ctx.full_config or {}) if vllm else None
     try:  # the workflow's own rule, so the preflight and the DAG can never disagree
         ids = check_aux_layer_ids(ctx.extract["aux_layer_ids"], n, vllm, family)

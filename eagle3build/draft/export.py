@@ -5,6 +5,14 @@ the engines know: fc, midlayer.*, norm, lm_head, d2t (omitted when K == V: vLLM 
 t2d. embed_tokens is NOT exported by default: it is the target's frozen embedding, which vLLM and
 SGLang share from the target when the checkpoint lacks it, so writing it would only add V*H values
 (1 GB for Llama-3.1-8B). `include_embed_tokens: true` writes it anyway.
+
+The aux layer ids are written once per engine, each in that engine's convention. Ours (and vLLM's) id L
+is the residual stream entering layer L (HF's output_hidden_states[L]):
+- vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` and uses the ids as they are;
+- SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` (absent: its default (2, N//2, N-3))
+  and adds 1 to each ("takes the output of the (i-1)th layer"), so that key holds L - 1.
+The target is recorded as the user configured it (a hub id, or the path as written, relative or not):
+never this machine's absolute path, which means nothing where the checkpoint is served.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ WEIGHT_NAMES = (
 
 
 def eagle3_config(c: DraftConfig, target_path: str | None = None) -> dict:
-    """config.json of the EAGLE-3 format (see docs/eagle3-facts)."""
+    """config.json of the EAGLE-3 format (see docs/eagle3-facts); `target_path`: the target as configured."""
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -61,7 +69,8 @@ def eagle3_config(c: DraftConfig, target_path: str | None = None) -> dict:
         "rope_scaling": None,
         "tie_word_embeddings": False,
         "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),  # vLLM: as they are
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids]},  # SGLang: +1
         "norm_before_residual": c.norm_before_residual,
         "torch_dtype": "bfloat16",
         # ours (engines ignore unknown config keys; they refuse unknown tensor names only)
@@ -85,6 +94,7 @@ def speculators_config(c: DraftConfig, target_path: str, target_config: dict) ->
             "draft_vocab_size",
             "target_hidden_size",
             "eagle_aux_hidden_state_layer_ids",
+            "eagle_config",
             "eagle3build",
             "norm_before_residual",
             "torch_dtype",
@@ -127,11 +137,25 @@ def _read_weights(weights_path: str) -> tuple[dict[str, torch.Tensor], DraftConf
     return tensors, DraftConfig.from_dict(json.loads(meta["draft_config"]))
 
 
+def _check_finite(weights_path: str, tensors: dict[str, torch.Tensor], cast: str = "") -> None:
+    """Refuse NaN/inf weights: an engine would load them and accept no draft token (or crash)."""
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return
+    if cast:
+        raise UserError(f"{weights_path}: {bad} overflow {cast} (values beyond its range become inf); "
+                        "export in bfloat16 or float32 (config key 'export.dtype')")
+    raise UserError(f"{weights_path}: tensors {bad} hold NaN/inf values (the training diverged or read "
+                    f"corrupted hidden states); delete {Path(weights_path).parent} (its checkpoints hold them "
+                    "too) and rerun: training stops at the first non-finite step and names its cause")
+
+
 def export(
     weights_path: str, mapping_path: str, target_path: str, out_dir: str, params: dict | None = None
 ) -> None:
     """Write out_dir/eagle3/{config.json, model.safetensors} (+ out_dir/speculators/ if asked).
 
+    `target_path`: the target as the user configured it (target.model), recorded as given.
     `params`: the `export` config section (unset keys take the schema's defaults)."""
     p = resolve_section("export", params)
     dtype = _DTYPES[p["dtype"]]
@@ -154,13 +178,15 @@ def export(
     missing = [n for n in WEIGHT_NAMES if n not in tensors]
     if missing:
         raise UserError(f"{weights_path}: missing tensors {missing}; rerun the train stage")
+    _check_finite(weights_path, {n: tensors[n] for n in WEIGHT_NAMES})
     out = {n: tensors[n].to(dtype) for n in WEIGHT_NAMES}
+    _check_finite(weights_path, out, f"export.dtype {p['dtype']}")
     if c.draft_vocab_size != c.vocab_size:
         out["d2t"] = d2t
     out["t2d"] = t2d
     if p["include_embed_tokens"]:
         out["embed_tokens.weight"] = load_target_head(target_path, dtype).embed_tokens
-    target_ref = os.path.abspath(target_path)
+    target_ref = str(target_path)  # as configured: an absolute build path would not travel
     config = eagle3_config(c, target_ref)
     config["torch_dtype"] = p["dtype"]
     _write_dir(Path(out_dir) / "eagle3", config, out)
@@ -227,7 +253,8 @@ def read_exported(path: str | os.PathLike) -> tuple[Path, dict, DraftConfig, dic
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise UserError(f"{path / 'model.safetensors'}: unreadable weights ({e})") from e
-    tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    layer = "layers.0."
+    tensors = {("midlayer." + k[len(layer) :] if k.startswith(layer) else k): v for k, v in tensors.items()}
     if "d2t" not in tensors:  # K == V: the identity mapping
         tensors["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
     if "t2d" not in tensors:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3build.config import read_model_config
 from eagle3build.errors import UserError
 
 # Where the decoder lives inside the checkpoint, most common first. Multimodal wrappers nest the
@@ -67,10 +68,7 @@ def read_target_config(target_path: str | os.PathLike) -> dict:
         raise UserError(
             f"{path}: missing; the target must be a local Hugging Face model dir (config.json + safetensors)"
         )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from e
+    config = read_model_config(str(target_path))
     if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", False)}
     for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"):

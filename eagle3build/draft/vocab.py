@@ -64,7 +64,7 @@ def build_mapping(count_paths: list[str], out_mapping: str, out_report: str, dra
               "tokens_counted": int(total.sum()), "distinct_tokens_seen": int((total > 0).sum()),
               "coverage": covered / int(total.sum()), "shards": len(count_paths)}
     save_safetensors_atomic(out_mapping, {"d2t": d2t.to(torch.int64), "t2d": t2d},
-                            {"format": "eagle3build.draft.vocab", "draft_vocab_size": str(k), "vocab_size": str(vocab_size),
+                            {"format": "eagle3build.vocab", "draft_vocab_size": str(k), "vocab_size": str(vocab_size),
                              "coverage": f"{report['coverage']:.6f}"})
     write_json_atomic(out_report, report)
     return report

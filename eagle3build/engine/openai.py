@@ -23,6 +23,7 @@ class ChatAnswer:
     content: str
     tool_calls: list | None
     finish_reason: str  # "stop" | "length" | "tool_calls" | ...
+    reasoning: str | None = None  # what a reasoning parser split off (vLLM, SGLang --reasoning-parser)
 
 
 def normalize_base_url(url: str) -> str:
@@ -38,6 +39,8 @@ def _chat_answer(reply: dict) -> ChatAnswer:
         content=message.get("content") or "",
         tool_calls=message.get("tool_calls") or None,
         finish_reason=choice.get("finish_reason") or "stop",
+        # vLLM names it `reasoning` (`reasoning_content` until it was renamed), SGLang `reasoning_content`
+        reasoning=message.get("reasoning_content") or message.get("reasoning") or None,
     )
 
 

@@ -8,6 +8,11 @@ watchdog (`start_watchdog`): a detached process that stops it once no job has he
 shared flock per job, `ServerFiles.clients`) for a while.
 
 `python -m eagle3build.engine.process watch LOCK STATE CLIENTS IDLE_S` is that watchdog.
+
+What a workflow starts ends with it: the workflow records itself in the environment of its jobs
+(`WORKFLOW_ENV`, set by rules/common.smk), a job process ends when its workflow does (`bind_to_workflow`),
+and a server that outlives the job that started it (it serves the run's other jobs) watches the workflow
+that owns it (`watch_owner`).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,6 +60,97 @@ def alive(pid: int | None, ticks: int | None = None) -> bool:
         return False
     now = start_ticks(pid)
     return now is not None and (ticks in (None, 0) or now == ticks)
+
+
+# ---------------------------------------------------------------- the workflow that owns a process
+WORKFLOW_ENV = "EAGLE3BUILD_WORKFLOW"  # pid:start_ticks:host:pid namespace of the Snakemake process
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def workflow_marker(pid: int | None = None) -> str:
+    """The value of WORKFLOW_ENV that names process `pid` (default: this one) as the jobs' workflow."""
+    pid = pid or os.getpid()
+    return f"{pid}:{start_ticks(pid) or 0}:{socket.gethostname()}:{_pid_namespace()}"
+
+
+def workflow_owner(default_pid: int | None = None) -> dict | None:
+    """The workflow this process belongs to, as {"pid", "start_ticks"}: the one WORKFLOW_ENV names when it
+    runs on this host and in this pid namespace (elsewhere, e.g. a cluster node, its pid means nothing
+    here); else `default_pid`'s process, or None."""
+    pid, _, rest = os.environ.get(WORKFLOW_ENV, "").partition(":")
+    ticks, _, rest = rest.partition(":")
+    host, _, namespace = rest.partition(":")
+    if pid.isdigit() and ticks.isdigit() and host == socket.gethostname() and namespace == _pid_namespace():
+        return {"pid": int(pid), "start_ticks": int(ticks)}
+    if default_pid:
+        return {"pid": default_pid, "start_ticks": start_ticks(default_pid)}
+    return None
+
+
+def watch_owner(owner: dict, on_gone: Callable[[], None], poll_s: float = 1.0) -> threading.Thread:
+    """A daemon thread that calls `on_gone()` once the owner process ({"pid", "start_ticks"}) has ended."""
+
+    def run():
+        while alive(owner["pid"], owner.get("start_ticks")):
+            time.sleep(poll_s)
+        on_gone()
+
+    thread = threading.Thread(target=run, name="owner-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end this process through SystemExit, so `finally` blocks and context managers
+    run: atomic writers remove their temp files, held locks are released."""
+
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send `sig` to this process when its parent ends (Linux PR_SET_PDEATHSIG).
+    False where unsupported, or when the parent already ended."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(sig), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    return os.getppid() == parent  # the parent may have ended before the call
+
+
+def bind_to_workflow(grace_s: float = 30.0) -> None:
+    """Make this job process end with its workflow: SIGTERM (then SystemExit, see exit_on_signals) when
+    its parent ends or the workflow WORKFLOW_ENV names does, SIGKILL if it still runs grace_s later."""
+    exit_on_signals()
+    die_with_parent()
+    owner = workflow_owner()
+    if owner is not None and owner["pid"] != os.getpid():
+        watch_owner(owner, lambda: end_self(f"workflow process {owner['pid']} ended", grace_s))
+
+
+def end_self(reason: str, grace_s: float) -> None:
+    """SIGTERM this process (its main thread unwinds through SystemExit); SIGKILL it after grace_s."""
+    print(f"=== eagle3build: {reason}: stopping (pid {os.getpid()})", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    os._exit(128 + signal.SIGTERM)
 
 
 # ---------------------------------------------------------------- start, wait, stop
@@ -206,7 +304,8 @@ def start_watchdog(files: ServerFiles, idle_s: float) -> int:
 
 
 def watch(files: ServerFiles, idle_s: float) -> None:
-    """Watchdog loop: stop the server once no job has held the clients lock for idle_s."""
+    """Watchdog loop: stop the server once no job has held the clients lock for idle_s, or at once when no
+    job holds it and the workflow its state names as `owner` ({"pid", "start_ticks"}) has ended."""
     poll_s = max(0.2, min(10.0, idle_s / 4))
     last_busy = time.monotonic()
     while True:
@@ -217,11 +316,13 @@ def watch(files: ServerFiles, idle_s: float) -> None:
             ours = state is not None and state.get("watchdog_pid") == os.getpid()
             if not ours or not alive(state["pid"], state.get("start_ticks")):
                 return
+            owner = state.get("owner")
+            orphaned = bool(owner) and not alive(owner["pid"], owner.get("start_ticks"))
             if not unlocked(files.clients):
                 last_busy = time.monotonic()
-            elif time.monotonic() - last_busy >= idle_s:
-                print(f"=== eagle3build watchdog: idle for {idle_s:.0f} s, stopping pid {state['pid']}",
-                      flush=True)
+            elif orphaned or time.monotonic() - last_busy >= idle_s:
+                why = f"its workflow (pid {owner['pid']}) ended" if orphaned else f"idle for {idle_s:.0f} s"
+                print(f"=== eagle3build watchdog: {why}, stopping pid {state['pid']}", flush=True)
                 terminate(state["pid"], state.get("start_ticks"))
                 files.state.unlink(missing_ok=True)
                 return

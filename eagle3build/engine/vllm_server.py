@@ -19,6 +19,7 @@ from eagle3build.config import resolve_section
 from eagle3build.engine import process
 from eagle3build.engine.http import JsonClient
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.trust import check_trust
 
 SERVED_MODEL_NAME = "eagle3build-target"  # what requests name and what the metrics' model_name label says
 HEALTH_TIMEOUT_S = 5.0
@@ -37,6 +38,7 @@ def server_config(section: str, given: dict | None) -> dict:
 def serve_command(cfg: dict, target: dict, port: int, engine_args: list[str]) -> list[str]:
     """`vllm serve` argv: the target (model, revision, trust_remote_code), the section's parallelism and
     memory settings, then the stage's own `engine_args`, then the section's `extra_args`."""
+    check_trust(target)  # --trust-remote-code makes vLLM import the repo's code
     cmd = [*cfg["executable"], "serve", str(target["model"]), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--served-model-name", SERVED_MODEL_NAME]
     if target.get("revision"):

@@ -38,7 +38,7 @@ from eagle3build.atomic import atomic_path, write_json_atomic
 from eagle3build.config import resolve_section
 from eagle3build.data.chat import load_target_tokenizer
 from eagle3build.data.formats import iter_jsonl
-from eagle3build.errors import UserError
+from eagle3build.errors import ConfigError, UserError
 from eagle3build.evaluate.acceptance import acceptance_for_sequence
 from eagle3build.hf_target import eos_token_ids, load_target_model, resolve_device, target_path
 
@@ -208,6 +208,21 @@ def read_questions(path: str, max_samples: int | None = None) -> list[dict]:
     return questions
 
 
+def read_eval_set(eval_set: dict, max_samples: int | None) -> list[dict]:
+    """The questions of one `evaluate.sets` entry: the first `max_samples` of them, where the set's own
+    max_samples overrides `max_samples` (evaluate.max_samples). A set without questions is an error:
+    an acceptance length over no question measures nothing. `eval_set["index"]`, when given, is the entry's
+    place in evaluate.sets, for the error's key."""
+    own = eval_set.get("max_samples")
+    limit = own if own is not None else max_samples
+    questions = read_questions(eval_set["path"], None if limit is None else int(limit))
+    if not questions:
+        key = f"evaluate.sets[{eval_set['index']}]" if "index" in eval_set else "evaluate.sets"
+        raise ConfigError(key, f"the set '{eval_set['name']}' ({eval_set['path']}) has no question; give a "
+                               "JSONL file of {question_id, category, turns: [str, ...]} lines or remove the set")
+    return questions
+
+
 def _timed(device: torch.device, fn, *args):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -358,6 +373,7 @@ def evaluate(
     params = resolve_section("evaluate", params)
     ks = sorted(set(params["k"]))
     device = resolve_device(params["device"])
+    sets = {s["name"]: read_eval_set(s, params["max_samples"]) for s in eval_sets}  # before any model loads
     tokenizer = load_target_tokenizer(target)
     model = load_target_model(target, device)
     draft = load_draft(draft_dir, target, device, model.dtype)
@@ -366,7 +382,6 @@ def evaluate(
             f"{draft_dir}: the draft was built for a vocabulary of {draft.config.vocab_size} tokens, the "
             f"target '{target_path(target)}' has {model.config.vocab_size}; evaluate it with its own target"
         )
-    max_samples = params["max_samples"]
     results = {
         "format_version": FORMAT_VERSIONS["evaluate"],
         "backend": "hf",
@@ -382,9 +397,8 @@ def evaluate(
     warm = tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
     greedy_generate(model, warm, 4, set())
     speculative_generate(model, draft, warm, max(ks), 4, set())
-    for eval_set in eval_sets:
-        questions = read_questions(eval_set["path"], None if max_samples is None else int(max_samples))
-        results["sets"][eval_set["name"]] = evaluate_set(
+    for name, questions in sets.items():
+        results["sets"][name] = evaluate_set(
             model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]), params["sequential_k"]
         )
     write_json_atomic(out_json, results)

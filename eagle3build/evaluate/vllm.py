@@ -44,7 +44,7 @@ from eagle3build.engine import process
 from eagle3build.engine.http import GaveUp, JsonClient, Rejected, with_retries
 from eagle3build.engine.vllm_server import SERVED_MODEL_NAME, free_port, launch, serve_command, server_config
 from eagle3build.errors import ConfigError, UserError
-from eagle3build.evaluate.hf import AcceptanceStats, plot, read_questions
+from eagle3build.evaluate.hf import AcceptanceStats, plot, read_eval_set
 from eagle3build.hf_target import target_path
 
 SECTION = "evaluate.vllm"
@@ -350,12 +350,11 @@ def evaluate(draft_dir: str, target: dict, eval_sets: list[dict], out_json: str,
     schema's defaults). The servers' logs are `{log_stem}.vllm-speculative.log` and
     `{log_stem}.vllm-baseline.log` (default log_stem: out_json without its suffix)."""
     params = resolve_section("evaluate", params)
+    sets = {s["name"]: read_eval_set(s, params["max_samples"]) for s in eval_sets}  # before any server starts
     cfg = server_config(SECTION, params["vllm"])
     k_served = int(cfg["num_speculative_tokens"] or max(params["k"]))
     ks = sorted({k for k in params["k"] if k <= k_served} | {k_served})
     draft = exported_draft(draft_dir)
-    max_samples = None if params["max_samples"] is None else int(params["max_samples"])
-    sets = {s["name"]: read_questions(s["path"], max_samples) for s in eval_sets}
     served = {"model": target_path(target), "revision": target.get("revision"),
               "trust_remote_code": target.get("trust_remote_code")}
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k_served}

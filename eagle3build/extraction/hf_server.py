@@ -27,10 +27,18 @@ from pathlib import Path
 import torch
 
 from eagle3build.atomic import write_json_atomic
-from eagle3build.engine.process import start_ticks
+from eagle3build.engine.process import end_self, start_ticks, watch_owner
 from eagle3build.errors import UserError
-from eagle3build.extraction.protocol import recv_message, send_message
+from eagle3build.extraction.protocol import (
+    PROTOCOL_VERSION,
+    READ_TIMEOUT_S,
+    TOKEN_CHARS,
+    ProtocolError,
+    recv_request,
+    send_message,
+)
 from eagle3build.shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
+from eagle3build.trust import check_trust
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -65,11 +73,12 @@ class Extractor:
                  revision: str | None = None, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
+        check_trust({"path": model, "revision": revision, "trust_remote_code": trust_remote_code})
         self.device = device
         self.dtype = resolve_dtype(dtype, device)
         self.model_id, self.revision = model, revision
-        lm = AutoModelForCausalLM.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code,
-                                                  dtype=self.dtype)
+        lm = AutoModelForCausalLM.from_pretrained(model, revision=revision,
+                                                  trust_remote_code=trust_remote_code is True, dtype=self.dtype)
         base = lm.get_decoder()
         layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
         if layers is None or norm is None:
@@ -183,46 +192,64 @@ def run_request(extractor: Extractor, req: dict) -> dict:
                                    req["max_batch_size"], req["meta"])
 
 
-def serve(identity: dict, state_file: str, idle_s: float) -> None:
-    """Run an extraction server until idle for `idle_s` seconds (or SIGTERM)."""
+def handle_connection(conn: socket.socket, extractor: Extractor, token: str) -> None:
+    """One connection: a request read under READ_TIMEOUT_S (token first, size bounded), then its shard."""
+    conn.settimeout(READ_TIMEOUT_S)
+    try:
+        req = recv_request(conn, token)
+    except (ProtocolError, TimeoutError) as e:
+        print(f"refused a request: {e}", flush=True)
+        with contextlib.suppress(OSError):
+            send_message(conn, {"ok": False, "error": f"refused: {e}"})
+        return
+    except OSError as e:  # the client went away
+        print(f"lost a client: {e}", flush=True)
+        return
+    try:
+        print(f"extract {req['tokens']} -> {req['out']}", flush=True)
+        stats = run_request(extractor, req)
+        print(f"done {stats}", flush=True)
+        reply = {"ok": True, **stats}
+    except UserError as e:
+        reply = {"ok": False, "error": str(e), "user_error": True}
+    except Exception as e:  # report to the client, keep serving
+        import traceback
+
+        traceback.print_exc()
+        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    with contextlib.suppress(OSError):
+        send_message(conn, reply)
+
+
+def serve(identity: dict, state_file: str, idle_s: float, owner: dict | None = None) -> None:
+    """Run an extraction server until idle for `idle_s` seconds, SIGTERM, or the end of `owner` ({"pid",
+    "start_ticks"}: the workflow whose jobs it serves; a shard finished for a dead workflow is redone)."""
+    if owner is not None:
+        # SIGTERM unwinds the main thread: the shard being written loses its temp file, not its final name
+        watch_owner(owner, lambda: end_self(f"its workflow (pid {owner['pid']}) ended", grace_s=30.0))
     if identity["device"].startswith("cuda"):
         torch.cuda.set_device(identity["device"])
     extractor = Extractor(identity["model"], identity["aux_layer_ids"], identity["device"], identity["dtype"],
                           identity["revision"], identity["trust_remote_code"])
-    token = secrets.token_hex(16)
+    token = secrets.token_hex(TOKEN_CHARS // 2)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(1.0)
     state = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "port": listener.getsockname()[1],
-             "token": token, "identity": identity}
+             "token": token, "identity": identity, "owner": owner, "protocol": PROTOCOL_VERSION}
     write_json_atomic(state_file, state)  # private (0600): it holds the token
     print(f"extraction server ready: {identity} on port {state['port']}", flush=True)
-    last = time.monotonic()
-    while time.monotonic() - last < idle_s:
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            conn.settimeout(None)
-            try:
-                req = recv_message(conn)
-                if req.get("token") != token:
-                    send_message(conn, {"ok": False, "error": "bad token"})
-                    continue
-                print(f"extract {req['tokens']} -> {req['out']}", flush=True)
-                stats = run_request(extractor, req)
-                print(f"done {stats}", flush=True)
-                send_message(conn, {"ok": True, **stats})
-            except UserError as e:
-                send_message(conn, {"ok": False, "error": str(e), "user_error": True})
-            except Exception as e:  # report to the client, keep serving
-                import traceback
-
-                traceback.print_exc()
-                with contextlib.suppress(OSError):
-                    send_message(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+    try:
         last = time.monotonic()
-    print("idle timeout: exiting", flush=True)
-    with contextlib.suppress(FileNotFoundError):
-        if json.loads(Path(state_file).read_text()).get("pid") == os.getpid():
-            os.unlink(state_file)
+        while time.monotonic() - last < idle_s:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                handle_connection(conn, extractor, token)
+            last = time.monotonic()
+        print("idle timeout: exiting", flush=True)
+    finally:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            if json.loads(Path(state_file).read_text()).get("pid") == os.getpid():
+                os.unlink(state_file)

@@ -4,8 +4,9 @@ Snakemake runs one job per shard, each in its own process. So that the model is 
 extraction run rather than once per shard, shard jobs are clients of one extraction server per device
 (`python -m eagle3build.extraction.job serve`, the model side in `eagle3build.extraction.hf_server`), started
 by the first job that needs it (`eagle3build.engine.process`), shared through a state file under a lock,
-stopped by the workflow's onsuccess/onerror hooks (`stop_servers`) or after an idle timeout. A job picks a
-free device with `eagle3build.extraction.devices.device_slot`.
+stopped by the workflow's onsuccess/onerror hooks (`stop_servers`), after an idle timeout, or when the
+workflow that owns it ends (killed: its hooks never run; `eagle3build.engine.process.workflow_owner`). A
+job picks a free device with `eagle3build.extraction.devices.device_slot`.
 
 This module imports no torch: a job's start-up is time its GPU sits idle (jobs run one after the other
 on each device), and importing torch and initialising CUDA would cost that for every shard. The device
@@ -29,7 +30,8 @@ from eagle3build.atomic import write_json_atomic
 from eagle3build.engine import process
 from eagle3build.errors import UserError
 from eagle3build.extraction.devices import device_slot, forget_devices, visible_devices
-from eagle3build.extraction.protocol import call
+from eagle3build.extraction.protocol import PROTOCOL_VERSION, call
+from eagle3build.trust import check_trust
 
 SHARD_PLAN = "extract-shards.json"  # in the run dir: every (token shard, hidden shard) of the run
 
@@ -46,16 +48,20 @@ def ensure_server(run_dir: Path, index: int, identity: dict, params: dict) -> di
     params: the resolved `extract` section (server_idle_s, server_start_timeout_s)."""
     state_file = run_dir / f"hf-server-{index}.json"
     log = run_dir / f"hf-server-{index}.log"
+    # The workflow's process (or, outside a workflow, this one): the server ends with it.
+    owner = process.workflow_owner(default_pid=os.getpid())
     with process.flock(run_dir / f"hf-server-{index}.start.lock", fcntl.LOCK_EX):
         state = process.read_state(state_file)
         if state is not None and process.alive(state["pid"], state.get("start_ticks")) \
-                and state["identity"] == identity:
+                and state["identity"] == identity and state.get("owner") == owner \
+                and state.get("protocol") == PROTOCOL_VERSION:
             return state
-        process.stop_recorded(state_file, grace_s=10)  # another model / revision / layer set: replace it
+        # another model / revision / layer set, another workflow's or an older version's: replace it
+        process.stop_recorded(state_file, grace_s=10)
         state_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "eagle3build.extraction.job", "serve",
                "--identity", json.dumps(identity), "--state-file", str(state_file),
-               "--idle-s", str(params["server_idle_s"])]
+               "--idle-s", str(params["server_idle_s"]), "--owner", json.dumps(owner)]
         proc = process.start(cmd, log)
         try:
             process.wait_ready(proc, state_file.exists, float(params["server_start_timeout_s"]), poll_s=0.2)
@@ -119,6 +125,7 @@ def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, r
     import. The disk check covers this shard and the run's other shards not yet extracted
     (`write_shard_plan`).
     """
+    check_trust(target)  # before a server that loads the target (and any code it ships) starts
     run_dir = Path(run_dir)
     devices = visible_devices(params["devices"], run_dir)
     pending = pending_token_shards(planned_shards(run_dir), tokens_path)
@@ -155,6 +162,7 @@ def main(argv=None) -> int:
     s.add_argument("--identity", required=True)
     s.add_argument("--state-file", required=True)
     s.add_argument("--idle-s", type=float, required=True)
+    s.add_argument("--owner", default="null", help="JSON {pid, start_ticks}: the workflow it serves")
     st = sub.add_parser("stop", help="stop the extraction servers of a run dir")
     st.add_argument("run_dir")
     args = p.parse_args(argv)
@@ -162,7 +170,7 @@ def main(argv=None) -> int:
         from eagle3build.extraction.hf_server import serve
 
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        serve(json.loads(args.identity), args.state_file, args.idle_s)
+        serve(json.loads(args.identity), args.state_file, args.idle_s, json.loads(args.owner))
     else:
         print(f"stopped {stop_servers(args.run_dir)} server(s)")
     return 0

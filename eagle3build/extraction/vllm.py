@@ -23,8 +23,8 @@ Two pieces:
   (separate processes started by Snakemake), through `eagle3build.engine.process`: a lock file serialises
   start/stop, a state file records pid/port/identity, and each job holds a shared flock on a "clients" file
   while it uses the server, so a server is replaced only when nobody uses it. A detached watchdog stops the
-  server once it has been idle for `idle_timeout_s` (e.g. after Snakemake was killed before its onerror hook
-  ran).
+  server once it has been idle for `idle_timeout_s`, and as soon as no job uses it once the workflow it
+  serves has ended (Snakemake killed before its onerror hook ran; its jobs end with it).
 - `extract_shard_vllm(...)`: sends every sample of a token shard (`eagle3build.engine.http`), checks each
   returned file and writes exactly the hidden shard the HF backend writes (slots = 3 aux ids then the final
   id N).
@@ -168,6 +168,7 @@ class ServerState:
     watchdog_pid: int | None = None
     started_at: float = 0.0
     upstream_port: int | None = None  # vLLM's own port: only the relay talks to it
+    owner: dict | None = None  # the workflow it serves ({"pid", "start_ticks"}): its watchdog stops it after
 
 
 class VllmServer:
@@ -217,6 +218,7 @@ class VllmServer:
                     state = None
                 if state is None:
                     state = self._start()
+                self._adopt(state)
                 using.enter_context(self.files.client())
             yield f"http://127.0.0.1:{state.port}"
 
@@ -229,6 +231,13 @@ class VllmServer:
                 return True
             time.sleep(2.0 * (attempt + 1))
         return False
+
+    def _adopt(self, state: ServerState) -> None:
+        """Make the server this job's workflow's (reused from a run that ended): it lives as long as that."""
+        owner = process.workflow_owner()
+        if owner is not None and state.owner != owner:
+            state.owner = owner
+            write_json_atomic(self.state_path, asdict(state))
 
     def _retire(self, state: ServerState) -> None:
         """Stop a dead, broken or other-identity server, unless other jobs are still using it."""
@@ -250,6 +259,8 @@ class VllmServer:
     def _start(self) -> ServerState:
         port = int(self.cfg["port"] or free_port())
         upstream = free_port()
+        while upstream == port:  # a port just released may come back
+            upstream = free_port()
         self.storage_path.mkdir(parents=True, exist_ok=True)
         vllm_cmd = build_command(self.params, upstream, str(self.storage_path))
         if shutil.which(vllm_cmd[0]) is None:  # the relay would start, then fail to run it
@@ -259,7 +270,8 @@ class VllmServer:
         proc = launch(cmd, self.cfg, self.log_path, port, "extract.vllm")
         ticks = process.start_ticks(proc.pid)
         state = ServerState(pid=proc.pid, start_ticks=ticks, port=port, identity=self.identity, command=cmd,
-                            log=str(self.log_path), started_at=time.time(), upstream_port=upstream)
+                            log=str(self.log_path), started_at=time.time(), upstream_port=upstream,
+                            owner=process.workflow_owner())
         state.watchdog_pid = process.start_watchdog(self.files, float(self.cfg["idle_timeout_s"]))
         write_json_atomic(self.state_path, asdict(state))
         return state

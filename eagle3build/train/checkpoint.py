@@ -4,7 +4,8 @@ State lives in `state_dir/<params hash>/`: `ckpt-<step>.safetensors` (model, Ada
 as tensors; step, optimiser settings, scheduler and best score as JSON metadata) written atomically
 every `checkpoint_every` steps, `best.safetensors` (the best weights under their export names) and
 `metrics.jsonl`. A run with the same inputs and params resumes from the last checkpoint; other params
-hash to another folder, so an incompatible state is never resumed and none is lost.
+hash to another folder, so an incompatible state is never resumed and none is lost. One trainer at a
+time uses `state_dir` (`own_state_dir`: an flock a dead trainer does not hold).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from safetensors import safe_open
 from eagle3build import FORMAT_VERSIONS
 from eagle3build.atomic import atomic_path, save_safetensors_atomic, write_json_atomic
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.engine.process import try_lock
 from eagle3build.errors import UserError
 from eagle3build.train.distributed import Dist, load_fsdp_state
 from eagle3build.train.metrics import log, truncate_metrics
@@ -106,7 +109,12 @@ def save_checkpoint(
     sched = scheduler.state_dict()  # lr_lambdas are plain functions: stored as nulls, rebuilt by train()
     meta = {"step": step, "optimizer_groups": groups, "scheduler": sched, **extra}
     path = run_dir / f"ckpt-{step:08d}.safetensors"
-    save_safetensors_atomic(path, {k: v.contiguous() for k, v in tensors.items()}, meta)
+    try:
+        save_safetensors_atomic(path, {k: v.contiguous() for k, v in tensors.items()}, meta)
+    except UserError as e:  # a full disk: the older checkpoints are still there, a rerun resumes from them
+        previous = latest_checkpoint(run_dir)
+        kept = f"; the run resumes from {previous.name} when rerun" if previous else ""
+        raise UserError(f"{e}{kept}") from e
     for old in sorted(run_dir.glob("ckpt-*.safetensors"))[:-keep]:
         old.unlink()
 
@@ -126,11 +134,51 @@ def save_best(
 
 def write_outputs(out: Path, run_dir: Path, summary: dict) -> None:
     """The stage's outputs: the best weights, the run's metrics and its summary."""
-    with atomic_path(out / "draft.safetensors") as tmp:
-        shutil.copyfile(run_dir / "best.safetensors", tmp)
-    with atomic_path(out / "metrics.jsonl") as tmp:
-        shutil.copyfile(run_dir / "metrics.jsonl", tmp)
+    for name, source in (("draft.safetensors", "best.safetensors"), ("metrics.jsonl", "metrics.jsonl")):
+        # a full disk is a UserError that names the space needed (atomic_path)
+        with atomic_path(out / name, need_bytes=(run_dir / source).stat().st_size) as tmp:
+            shutil.copyfile(run_dir / source, tmp)
     write_json_atomic(out / "summary.json", summary)
+
+
+# ============================================================================================ ownership
+OWNER_LOCK = ".trainer.lock"  # in the state folder: flocked by the trainer that uses it
+_owned: dict[str, int] = {}  # state folders this process owns: real path -> the lock's fd
+
+
+def own_state_dir(state_dir: str | os.PathLike, d: Dist | None = None) -> None:
+    """Make this process (rank 0 of `d`; other ranks do nothing) the one trainer of `state_dir`, before
+    anything in it is read or written; a UserError naming the folder and the holder's pid if another
+    trainer has it. The lock is an flock: a trainer that dies (killed with -9 included) releases it, so a
+    stale lock never blocks a rerun."""
+    if d is not None and not d.main:
+        return
+    folder = Path(state_dir)
+    key = os.path.realpath(folder)
+    if key in _owned:  # this process's earlier train() call in the same folder (it ended in an error)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = try_lock(folder / OWNER_LOCK)
+    if fd is None:
+        try:
+            holder = (folder / OWNER_LOCK).read_text().split()
+        except OSError:
+            holder = []
+        who = f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "a process that is starting"
+        raise UserError(
+            f"{folder}: another trainer is using this checkpoint folder ({who}); two trainers would overwrite "
+            f"each other's checkpoints and metrics. Wait for it to finish or stop it "
+            f"(kill {holder[0] if holder else '<pid>'}), then rerun")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    _owned[key] = fd
+
+
+def release_state_dir(state_dir: str | os.PathLike) -> None:
+    """Give up the ownership `own_state_dir` took (the lock file stays: removing it would race)."""
+    fd = _owned.pop(os.path.realpath(state_dir), None)
+    if fd is not None:
+        os.close(fd)
 
 
 # ============================================================================================ resume
@@ -234,5 +282,5 @@ def resume(
         log(f"starting fresh: params hash {run_dir.name}{note}", d)
     if d.main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        truncate_metrics(run_dir / "metrics.jsonl", start_step, d)
     return start_step, best

@@ -29,7 +29,11 @@ def launch(hidden_paths: list[str], mapping_path: str, target: dict, out_dir: st
     if available < gpus:
         raise UserError(f"config key 'train.gpus' asks for {gpus} GPUs but {available} are visible; lower it "
                         f"or run on a bigger host (make run GPUS=N)")
-    os.makedirs(state_dir, exist_ok=True)
+    from eagle3build.train.checkpoint import own_state_dir, release_state_dir
+
+    # Rank 0 takes the folder's lock; checked here too, so a second run fails with its message, not torchrun's.
+    own_state_dir(state_dir)
+    release_state_dir(state_dir)
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=state_dir, delete=False) as f:
         json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
@@ -53,6 +57,9 @@ def run_spec(spec: dict) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from eagle3build.engine.process import bind_to_workflow
+
+    bind_to_workflow()  # a worker ends with torchrun (and the workflow), also when torchrun is killed with -9
     with open(argv[0]) as f:
         run_spec(json.load(f))
     return 0

@@ -19,10 +19,18 @@ from torch import nn
 
 from eagle3build.attention.factory import ATTENTION_IMPLS, make_attention
 from eagle3build.attention.kernel import KERNELS, check_kernel
-from eagle3build.config import resolve_section
+from eagle3build.config import resolve_section, section_defaults, train_progress_keys
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
-from eagle3build.errors import ConfigError
-from eagle3build.train.checkpoint import params_hash, resume, save_best, save_checkpoint, write_outputs
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.train.checkpoint import (
+    own_state_dir,
+    params_hash,
+    release_state_dir,
+    resume,
+    save_best,
+    save_checkpoint,
+    write_outputs,
+)
 from eagle3build.train.data import (
     BatchLoader,
     Prefetcher,
@@ -58,6 +66,10 @@ def hashed_params(p: dict, fsdp: bool) -> dict:
     it existed, so older runs still resume: fsdp off (or one process), init_from unset. A warm start
     records its head's path and file digests: a replaced head starts afresh instead of resuming."""
     hashed = {k: v for k, v in p.items() if k not in ("fsdp", "init_from")}
+    # Logging and resume-point knobs change no weight: a run resumes across them. They hash at their
+    # defaults, so runs that always had the defaults keep their identity.
+    defaults = section_defaults("train")
+    hashed.update({k: defaults[k] for k in train_progress_keys(p)})
     if fsdp:
         hashed["fsdp"] = p["fsdp"]
     if p["init_from"]:
@@ -108,6 +120,34 @@ def forward_backward(
     return sums
 
 
+def check_finite_step(
+    step: int, sums: torch.Tensor, grad_norm: torch.Tensor | None, data, sample_ids: list[list[int]], d: Dist
+) -> None:
+    """Stop at the first optimiser step whose loss or gradient norm is not finite: after one such step
+    every weight is NaN, and it would be trained on, saved as the best step and exported. All ranks decide
+    alike (the flags are summed over ranks; FSDP2's collectives follow). The error names the hidden shards
+    of this rank's batches that hold non-finite states (bit rot: delete and re-extract them), or else says
+    the inputs were finite (the run diverged)."""
+    bad = (~torch.isfinite(sums)).any().float().reshape(1)
+    if grad_norm is not None:
+        bad = bad + (~torch.isfinite(grad_norm.detach().float())).float().reshape(1)
+    if not d.all_sum(bad).item():
+        return
+    refs = [data.samples[i] for batch in sample_ids for i in batch]
+    rotten = sorted({data.shards[r.shard].path for r in refs
+                     if not torch.isfinite(data.load(r, torch.float32)[2]).all()})
+    where = f"step {step}: the loss or the gradients are not finite (NaN/inf)"
+    if rotten:
+        shards = ", ".join(str(x) for x in rotten)
+        raise UserError(f"train {where}; hidden shard(s) {shards} hold non-finite hidden states (a corrupted "
+                        "file): delete them and run `make run` to extract them again")
+    if d.world_size > 1:
+        raise UserError(f"train {where} (rank {d.rank}: its batches' hidden states are finite; another "
+                        "rank's log names a corrupted shard, if one is)")
+    raise UserError(f"train {where}, from finite hidden states: the run diverged; lower train.lr, or set "
+                    "train.grad_clip if it is 0")
+
+
 def evaluate(
     ttt: TTTModule,
     scorer: TargetScorer,
@@ -153,6 +193,7 @@ def train(
     """
     p = resolve_params(params)
     d = init_distributed()
+    own_state_dir(state_dir, d)  # one trainer per state folder: a second one stops here, before it uses it
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{d.local_rank}" if cuda else "cpu")
     data_dtype = torch.bfloat16 if cuda else torch.float32
@@ -181,7 +222,7 @@ def train(
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
     warm = warm_start(draft, p["init_from"]) if p["init_from"] else None  # train.init_from: a published head
     if warm:
-        log(f"warm start from {warm['init_from']} (lm_head {warm['lm_head']}, overlap {warm['draft_vocab_overlap']})", d)
+        log(f"warm start from {warm['init_from']}: lm_head {warm['lm_head']}", d)
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)
     del target
     ttt = TTTModule(draft, p["ttt_steps"], make_attention(attention_impl, compiled), compiled)
@@ -208,6 +249,7 @@ def train(
         grad_norm = optimizer_step(optimizer, scheduler, trainable, p["grad_clip"])
         report.step_done(sum(data.lengths[i] for b in sample_ids for i in b), device)
         done = step + 1
+        check_finite_step(done, sums, grad_norm, data, sample_ids, d)
         if done % p["log_every"] == 0 or done == total_steps:
             report.train(done, sums, weights, scheduler.get_last_lr()[0], grad_norm)
         if done % eval_every == 0 or done == total_steps:
@@ -249,6 +291,7 @@ def train(
     }
     if d.main:
         write_outputs(out, run_dir, summary)
+        release_state_dir(state_dir)
     if d.world_size > 1:
         dist.barrier()
     return summary

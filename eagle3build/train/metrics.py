@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3build.atomic import atomic_path
+from eagle3build.atomic import atomic_path, is_no_space, no_space_error
+from eagle3build.errors import UserError
 from eagle3build.train.distributed import Dist
 from eagle3build.ttt.loss import summarize
 
@@ -22,8 +23,14 @@ def log(msg: str, d: Dist) -> None:
 
 def record(entry: dict, path: Path, writer) -> None:
     """One metrics.jsonl line, and its scalars in TensorBoard (`writer`, if any)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    line = json.dumps(entry) + "\n"
+    try:
+        with open(path, "a") as f:
+            f.write(line)
+    except OSError as e:  # a full disk: a torn last line at worst, which resume drops
+        if is_no_space(e):
+            raise no_space_error(path, len(line), e) from e
+        raise
     if writer is None:
         return
     split, step = entry["split"], entry["step"]
@@ -37,13 +44,37 @@ def record(entry: dict, path: Path, writer) -> None:
             writer.add_scalar(f"{split}/{key}", entry[key], step)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines a killed run wrote after its last checkpoint (they will be written again)."""
+def _metric_lines(path: Path, d: Dist) -> list[tuple[str, dict]]:
+    """The (line, record) pairs of a metrics.jsonl. A torn last line (a run killed, or a disk filled, while
+    writing it) is dropped with a note; any other line that is no record is an error naming it."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
+                raise ValueError("not a record with an integer 'step'")
+        except ValueError as e:  # JSONDecodeError is a ValueError
+            if number == len(lines):
+                log(f"{path}: dropped its torn last line {number} (written by a run that was stopped)", d)
+                break
+            raise UserError(f"{path}: line {number} is not a metrics record ({e}); the file was damaged or "
+                            "edited. Delete that line (or the file: the lines after the last checkpoint are "
+                            "written again) and rerun") from None
+        out.append((line, entry))
+    return out
+
+
+def truncate_metrics(path: Path, step: int, d: Dist) -> None:
+    """Drop metric lines a killed run wrote after its last checkpoint (they will be written again), and a
+    torn last line."""
     if not path.exists():
         return
-    keep = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
+    keep = [line for line, entry in _metric_lines(path, d) if entry["step"] <= step]
     with atomic_path(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in keep))
 

@@ -93,9 +93,15 @@ def shape_problems(head, ours, head_json: dict) -> list[str]:
             how = f"set {fix}: {theirs}" if fix else "a head for another target"
             problems.append(f"{key} {theirs} != this build's {mine} ({how})")
     stated = (head_json.get("eagle3build") or {}).get("draft_config") or head_json
-    if ("rope_theta" in stated or "rope_parameters" in stated) and float(head.rope_theta) != float(ours.rope_theta):
-        problems.append(f"rope_theta {head.rope_theta} != {ours.rope_theta} (set train.rope_theta: {head.rope_theta})")
-    if "norm_before_residual" in stated and bool(head.norm_before_residual) != bool(ours.norm_before_residual):
+    if ("rope_theta" in stated or "rope_parameters" in stated) and float(head.rope_theta) != float(
+        ours.rope_theta
+    ):
+        problems.append(
+            f"rope_theta {head.rope_theta} != {ours.rope_theta} (set train.rope_theta: {head.rope_theta})"
+        )
+    if "norm_before_residual" in stated and bool(head.norm_before_residual) != bool(
+        ours.norm_before_residual
+    ):
         problems.append(
             f"norm_before_residual {head.norm_before_residual} != {ours.norm_before_residual} "
             f"(set train.norm_before_residual: {str(head.norm_before_residual).lower()})"
@@ -145,7 +151,11 @@ def warm_start(draft, init_from: str) -> dict:
     lm_head = tensors.get("lm_head.weight")
     if lm_head is not None and not torch.equal(tensors["d2t"].long().cpu(), draft.d2t.long().cpu()):
         lm_head, overlap = map_lm_head(
-            lm_head, tensors["d2t"].long().cpu(), draft.d2t.long().cpu(), draft.lm_head.weight.cpu(), draft.config.vocab_size
+            lm_head,
+            tensors["d2t"].long().cpu(),
+            draft.d2t.long().cpu(),
+            draft.lm_head.weight.cpu(),
+            draft.config.vocab_size,
         )
         if overlap < MIN_OVERLAP:
             raise ConfigError(
@@ -170,9 +180,13 @@ def _copy_weights(draft, tensors: dict, folder: Path) -> None:
             continue
         value = tensors.get(name)
         if value is None or tuple(value.shape) != tuple(param.shape):
-            wrong.append(f"{name} {None if value is None else tuple(value.shape)} (needs {tuple(param.shape)})")
+            wrong.append(
+                f"{name} {None if value is None else tuple(value.shape)} (needs {tuple(param.shape)})"
+            )
     if wrong:
-        raise ConfigError(KEY, f"{folder}/model.safetensors: tensors missing or of another shape: " + ", ".join(wrong))
+        raise ConfigError(
+            KEY, f"{folder}/model.safetensors: tensors missing or of another shape: " + ", ".join(wrong)
+        )
     with torch.no_grad():
         for name, param in draft.named_parameters():
             if name != "embed_tokens.weight":

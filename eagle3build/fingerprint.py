@@ -1,0 +1,150 @@
+"""Cheap fingerprints of what the jobs read but Snakemake cannot track well, computed once per DAG build.
+
+Snakemake reruns a job when a param changes, when an input is newer than its outputs (unless the input is
+under 1 MB and its checksum did not change) or when its *set* of input files changes. Three things the
+jobs read escape that: the target's weights and tokenizer files (the jobs get the folder's path, and a
+weight edited in place keeps its path), and the content of a dataset (a touched file over 1 MB looks
+changed, a file edited inside a folder input does not).
+
+Each is fingerprinted here, cheaply at any shard count (once per DAG build, never per job): weight files by
+name, size, mtime and a hash of their safetensors header (never their gigabytes), tokenizer files and
+datasets by a hash of their content (a dataset's hash is cached by size and mtime, so it is read again
+only after a touch or an edit).
+
+How a fingerprint reaches the rules without rebuilding existing trees: the first fingerprint seen for a
+target folder or dataset is recorded as its baseline (under output_root/.fingerprints); while the
+fingerprint equals it, the rules get no extra param (their params are what they always were, so a tree
+built before fingerprints existed plans nothing). Once it differs, its digest becomes a param of the rules
+that read it, which reruns them and all that follows; going back to the baseline content reruns them again
+(their outputs were made from the other content). Adding the fingerprint as an input file instead would
+change the recorded set of inputs of every existing output, and Snakemake's `input` trigger would then redo
+every extraction once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+from eagle3build.atomic import write_json_atomic
+
+# What a tokenizer is made of on disk (transformers' file names, tiktoken/sentencepiece models, the chat
+# template files and the remote code of tokenizers loaded with trust_remote_code).
+TOKENIZER_PATTERNS = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "*.tiktoken",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenization_*.py",
+)
+# What else decides the hidden states besides the weights: the model's config and its remote code.
+MODEL_PATTERNS = ("config.json", "configuration_*.py", "modeling_*.py")
+_CHUNK = 1 << 20
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _safetensors_header_hash(path: Path) -> str:
+    """The header (tensor names, dtypes, shapes, offsets, metadata): kilobytes, whatever the file's size."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            return "short"
+        (size,) = struct.unpack("<Q", raw)
+        if size > 100 * _CHUNK:  # not a safetensors header: the size and mtime still fingerprint the file
+            return "invalid"
+        return hashlib.sha256(f.read(size)).hexdigest()
+
+
+def _matching(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
+    return sorted({p for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
+
+
+def tokenizer_fingerprint(model: str) -> dict | None:
+    """Content hashes of a local target folder's tokenizer files (None for a hub id: its revision pins it)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    return {p.name: _sha256_file(p) for p in _matching(folder, TOKENIZER_PATTERNS)}
+
+
+def weights_fingerprint(model: str) -> dict | None:
+    """A local target folder's weights: name, size, mtime and header hash of each safetensors file, and the
+    content hash of its config and modeling code. A weight rewritten in place moves its mtime; reading
+    headers only keeps this at milliseconds for a 600 GB target."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    weights = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        st = p.stat()
+        weights[p.name] = [st.st_size, st.st_mtime_ns, _safetensors_header_hash(p)]
+    files = {p.name: _sha256_file(p) for p in _matching(folder, MODEL_PATTERNS)}
+    return {"weights": weights, "files": files}
+
+
+def dataset_fingerprint(path: str, cache_dir: str) -> dict | None:
+    """Content hashes of a local dataset file or of every file of a dataset folder (None for hf: ids).
+
+    Hashes are cached by path, size and mtime, so a dataset is read again only after it was touched."""
+    source = Path(path)
+    if str(path).startswith("hf:") or not source.exists():
+        return None
+    files = sorted(f for f in source.rglob("*") if f.is_file()) if source.is_dir() else [source]
+    cache_file = Path(cache_dir) / "content-digests.json"
+    cache: dict = {}
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        cache = json.loads(cache_file.read_text())
+    result, changed = {}, False
+    for f in files:
+        st = f.stat()
+        key = f"{f}\0{st.st_size}\0{st.st_mtime_ns}"
+        if key not in cache:
+            for stale in [k for k in cache if k.startswith(f"{f}\0")]:  # the file's earlier versions
+                del cache[stale]
+            cache[key], changed = _sha256_file(f), True
+        result[str(f.relative_to(source)) if source.is_dir() else f.name] = cache[key]
+    if changed:
+        with contextlib.suppress(OSError):  # a read-only tree still plans, just without the cache
+            os.makedirs(cache_dir, exist_ok=True)
+            write_json_atomic(cache_file, cache, indent=None)
+    return result
+
+
+def digest(fingerprint) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> str | None:
+    """None while `fingerprint` is the first one recorded for (kind, key) (recording it if none was);
+    otherwise its digest, for the params of the rules that read what it fingerprints."""
+    if fingerprint is None:
+        return None
+    current = digest(fingerprint)
+    record = Path(state_dir) / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        baseline = json.loads(record.read_text())["digest"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        with contextlib.suppress(OSError):  # a read-only tree plans as if this were the baseline
+            os.makedirs(state_dir, exist_ok=True)
+            write_json_atomic(record, {"kind": kind, "key": key, "digest": current, "fingerprint": fingerprint})
+        return None
+    return None if baseline == current else current

@@ -1,0 +1,315 @@
+"""Staleness of what Snakemake cannot see by itself: the target's weights and tokenizer files edited in place,
+a dataset's content (a folder gaining or changing a file, a large file touched or edited), a deleted hidden
+shard. Each test asserts the exact jobs a dry-run of the default target plans.
+
+The tree is built by the workflow as it was before fingerprints existed (the commit below, when git has it)
+and then planned by the current one: a built tree must plan nothing after the upgrade.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SHARED, STORIES
+from workflow_util import WORKFLOW_PARTS, copy_workflow, planned_jobs, snakemake, write_config
+
+from eagle3build.extraction.job import stop_servers
+
+# The last commit whose workflow had no fingerprints (eagle3build/fingerprint.py).
+BEFORE_FINGERPRINTS = "76295f0"
+TEMPLATE = str(Path(__file__).parent / "data" / "chat_template.jinja")
+ALPACA = SHARED / "assets" / "data" / "train" / "alpaca_en_demo.json"
+# 2 shards per dataset: every downstream job of one dataset, then what all datasets feed.
+ONE_DATASET = {"split": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1, "train": 1, "export": 1}
+
+
+def config() -> dict:
+    return {
+        "output_root": "build",
+        "target": {"model": "target", "chat_template": TEMPLATE},
+        "datasets": [
+            {"name": "big", "path": "inputs/big.jsonl", "max_samples": 16},
+            {"name": "folder", "path": "inputs/folder", "format": "alpaca"},
+        ],
+        "prepare": {"max_length": 96, "shard_size": 8},
+        "extract": {"batch_tokens": 4096, "server_idle_s": 30},
+        "vocab": {"draft_vocab_size": 64},
+        "train": {"epochs": 1, "batch_tokens": 512, "lr": 1e-3, "gpus": 0},
+        "evaluate": {"sets": [], "k": [1, 3], "max_new_tokens": 8},
+    }
+
+
+def write_inputs(wd: Path) -> None:
+    records = json.loads(ALPACA.read_text())
+    shutil.copytree(STORIES, wd / "target")
+    for f in (wd / "target").iterdir():
+        f.chmod(0o644)
+    (wd / "inputs" / "folder").mkdir(parents=True)
+    lines = [json.dumps(r, ensure_ascii=False) for r in records]
+    big = "\n".join(lines * 2) + "\n"
+    assert len(big.encode()) > 1_000_000  # over Snakemake's checksum limit: a touch moves only its mtime
+    (wd / "inputs" / "big.jsonl").write_text(big)
+    for i in range(2):
+        (wd / "inputs" / "folder" / f"part{i}.jsonl").write_text("\n".join(lines[100 + 8 * i:108 + 8 * i]) + "\n")
+
+
+def install_old_workflow(wd: Path) -> bool:
+    """The workflow of BEFORE_FINGERPRINTS into `wd`; False where git lacks that commit."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_FINGERPRINTS, *WORKFLOW_PARTS],
+                             capture_output=True)
+    if archive.returncode != 0:
+        return False
+    subprocess.run(["tar", "-x", "-C", str(wd)], input=archive.stdout, check=True)
+    return True
+
+
+def install_current_workflow(wd: Path) -> None:
+    for part in WORKFLOW_PARTS:
+        path = wd / part
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    copy_workflow(wd)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    wd = tmp_path_factory.mktemp("wf")
+    write_inputs(wd)
+    write_config(wd, config())
+    if not install_old_workflow(wd):
+        copy_workflow(wd)
+    snakemake(wd)
+    install_current_workflow(wd)
+    # What the first plan after the upgrade holds; then the tree is brought up to date (a stage whose format
+    # version was bumped since that commit reruns: not what these tests are about).
+    first_plan = plan(wd)
+    snakemake(wd)
+    yield wd, first_plan
+    stop_servers(wd / "build" / ".run")
+
+
+@pytest.fixture
+def built(tree) -> Path:
+    return tree[0]
+
+
+def plan(wd: Path) -> dict:
+    return dict(planned_jobs(wd))
+
+
+class Edit:
+    """Change a file for one test; put back its bytes and its mtime afterwards."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.existed = self.path.exists()
+        if self.existed:
+            self.data, self.stat = self.path.read_bytes(), self.path.stat()
+        return self.path
+
+    def __exit__(self, *exc):
+        if self.existed:
+            self.path.write_bytes(self.data)
+            os.utime(self.path, ns=(self.stat.st_atime_ns, self.stat.st_mtime_ns))
+        elif self.path.exists():
+            self.path.unlink()
+
+
+def version_bumps() -> set[str]:
+    """The stages whose format version changed since BEFORE_FINGERPRINTS."""
+    from eagle3build import FORMAT_VERSIONS
+
+    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE_FINGERPRINTS}:eagle3build/__init__.py"],
+                         capture_output=True, text=True)
+    if old.returncode != 0:
+        return set()
+    namespace: dict = {}
+    exec(compile(old.stdout, "old __init__", "exec"), namespace)
+    return {k for k, v in FORMAT_VERSIONS.items() if namespace["FORMAT_VERSIONS"].get(k) != v}
+
+
+@pytest.mark.slow
+def test_a_tree_built_before_fingerprints_plans_nothing(tree):
+    wd, first_plan = tree
+    # The stages upstream of extraction (the expensive part) plan nothing unless their own version changed.
+    stage_rules = {"split": "split", "tokens": "tokens", "hidden": "extract", "vocab": "vocab_count"}
+    bumped = version_bumps()
+    for stage, rule in stage_rules.items():
+        if stage in bumped:
+            break
+        assert rule not in first_plan, first_plan
+    if not bumped:
+        assert first_plan == {}
+    assert plan(wd) == {}  # and the baselines recorded on the first plan change nothing either
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "tokenizer.model"])
+def test_an_edited_tokenizer_file_reruns_tokens_and_all_that_follows(built, name):
+    with Edit(built / "target" / name) as path:
+        path.write_bytes(path.read_bytes() + b"\n")
+        assert plan(built) == {"tokens": 4, "extract": 4, "vocab_count": 4, "vocab": 1, "train": 1, "export": 1}
+    assert plan(built) == {}  # the same bytes again: the outputs were made from them
+
+
+@pytest.mark.slow
+def test_a_touched_tokenizer_file_reruns_nothing(built):
+    with Edit(built / "target" / "tokenizer_config.json") as path:
+        os.utime(path)
+        assert plan(built) == {}
+
+
+@pytest.mark.slow
+def test_weights_changed_in_place_rerun_extraction(built):
+    from safetensors.torch import load_file, save_file
+
+    with Edit(built / "target" / "model.safetensors") as path:
+        size = path.stat().st_size
+        tensors = load_file(path)
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name] + 1  # same names, dtypes and shapes: same size and header
+        save_file(tensors, path, metadata={"format": "pt"})
+        assert path.stat().st_size == size
+        assert plan(built) == {"extract": 4, "train": 1, "export": 1}
+    assert plan(built) == {}
+
+
+@pytest.mark.slow
+def test_an_edited_model_config_reruns_extraction(built):
+    with Edit(built / "target" / "config.json") as path:
+        path.write_text(path.read_text() + "\n")
+        assert plan(built) == {"extract": 4, "train": 1, "export": 1}
+
+
+@pytest.mark.slow
+def test_a_file_added_to_a_folder_dataset_resplits_it(built):
+    records = json.loads(ALPACA.read_text())[300:308]
+    with Edit(built / "inputs" / "folder" / "part2.jsonl") as path:
+        path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        # 24 records: 3 shards
+        assert plan(built) == {**ONE_DATASET, "split": 3, "tokens": 3, "extract": 3, "vocab_count": 3}
+    assert plan(built) == {}
+
+
+@pytest.mark.slow
+def test_a_file_edited_in_a_folder_dataset_resplits_it(built):
+    with Edit(built / "inputs" / "folder" / "part1.jsonl") as path:
+        path.write_text(path.read_text().replace('"instruction": "', '"instruction": "Please: ', 1))
+        assert plan(built) == ONE_DATASET
+
+
+@pytest.mark.slow
+def test_a_touched_large_dataset_reruns_nothing(built):
+    with Edit(built / "inputs" / "big.jsonl") as path:
+        future = time.time() + 60
+        os.utime(path, (future, future))
+        assert plan(built) == {}
+
+
+@pytest.mark.slow
+def test_an_edited_large_dataset_resplits_it(built):
+    with Edit(built / "inputs" / "big.jsonl") as path:
+        path.write_text(path.read_text().replace('"instruction": "', '"instruction": "Please: ', 1))
+        assert plan(built) == ONE_DATASET
+
+
+@pytest.mark.slow
+def test_a_deleted_hidden_shard_is_extracted_again_by_a_plain_run(built):
+    with Edit(built / "build" / "hidden" / "folder" / "00001.safetensors") as path:
+        path.unlink()
+        assert plan(built) == {"extract": 1, "train": 1, "export": 1}
+    assert plan(built) == {}
+
+
+# ---------------------------------------------------------------- the fingerprints themselves (fast)
+def test_a_fingerprint_is_a_param_only_once_it_differs_from_the_first_recorded(tmp_path):
+    from eagle3build.fingerprint import change_since_baseline
+
+    state = str(tmp_path / "fp")
+    assert change_since_baseline(state, "weights", "models/x", {"a": 1}) is None  # recorded as the baseline
+    assert change_since_baseline(state, "weights", "models/x", {"a": 1}) is None
+    changed = change_since_baseline(state, "weights", "models/x", {"a": 2})
+    assert changed and changed == change_since_baseline(state, "weights", "models/x", {"a": 2})
+    assert change_since_baseline(state, "weights", "models/x", {"a": 1}) is None  # back to the baseline
+    assert change_since_baseline(state, "weights", "models/y", {"a": 2}) is None  # another folder: its own
+    assert change_since_baseline(state, "weights", "models/z", None) is None  # a hub id: nothing to see
+
+
+def test_weights_fingerprint_reads_headers_only_and_sees_an_in_place_rewrite(tmp_path):
+    from eagle3build.fingerprint import weights_fingerprint
+
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [1 << 20, 4096], "data_offsets": [0, 1 << 33]}})
+    for i in range(8):  # 8 sparse files of 8 GiB: reading any of their data would take minutes
+        with open(tmp_path / f"model-{i:05d}.safetensors", "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header.encode())
+            f.truncate(8 + len(header) + (1 << 33))
+    (tmp_path / "config.json").write_text("{}")
+    start = time.perf_counter()
+    before = weights_fingerprint(str(tmp_path))
+    assert time.perf_counter() - start < 1.0
+    assert weights_fingerprint(str(tmp_path)) == before
+    shard = tmp_path / "model-00003.safetensors"
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten in place: same size, header
+    assert weights_fingerprint(str(tmp_path)) != before
+    assert weights_fingerprint("org/hub-model") is None
+
+
+def test_dataset_fingerprint_sees_content_not_mtime(tmp_path):
+    from eagle3build.fingerprint import dataset_fingerprint
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"x": 1}\n')
+    cache = str(tmp_path / "cache")
+    before = dataset_fingerprint(str(folder), cache)
+    os.utime(folder / "a.jsonl", (time.time() + 60, time.time() + 60))
+    assert dataset_fingerprint(str(folder), cache) == before
+    (folder / "a.jsonl").write_text('{"x": 2}\n')
+    edited = dataset_fingerprint(str(folder), cache)
+    assert edited != before
+    (folder / "b.jsonl").write_text('{"x": 3}\n')
+    assert dataset_fingerprint(str(folder), cache) not in (before, edited)
+    assert dataset_fingerprint("hf:org/data", cache) is None
+
+
+def test_an_hf_dataset_revision_reaches_load_dataset(monkeypatch):
+    import datasets
+
+    from eagle3build.data.formats import count_records, iter_raw_records
+
+    calls = []
+
+    def load_dataset(path, split=None, **kwargs):
+        calls.append((path, split, kwargs))
+        return [{"instruction": "q", "output": "a"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert count_records("hf:org/data", revision="a" * 40) == 1
+    assert [i for i, _ in iter_raw_records("hf:org/data", revision="a" * 40)] == [0]
+    count_records("hf:org/data")
+    assert calls == [("org/data", "train", {"revision": "a" * 40})] * 2 + [("org/data", "train", {})]
+
+
+def test_the_doctor_warns_about_an_hf_dataset_without_revision():
+    from eagle3build.doctor.context import Context
+    from eagle3build.doctor.data import check_dataset_revisions
+
+    datasets = [{"name": "chat", "path": "hf:org/chat"}, {"name": "local", "path": "data/x.jsonl"},
+                {"name": "pinned", "path": "hf:org/pinned", "revision": "b" * 40}]
+    check = check_dataset_revisions(Context({"datasets": datasets}))
+    assert check.status == "warn" and "datasets[0] (chat)" in check.detail and "pinned" not in check.detail
+    assert "revision" in check.fix
+    assert check_dataset_revisions(Context({"datasets": datasets[1:]})).status == "ok"
