@@ -40,7 +40,7 @@ WORKDIR /opt/eagle3build
 # requirements that contradict vLLM's declared ones; the build then fails if `pip check` reports a
 # problem the base image did not already have. Each failure names the package.
 # A network that inspects TLS needs its CA bundle for pip: `make docker-build PIP_CERT_FILE=...` hands it
-# over as a build secret, present during this RUN only (no layer, no build arg keeps it).
+# over as a build secret, present during the RUNs that mount it (no layer, no build arg keeps it).
 COPY requirements.txt docker/image_requirements.py ./
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
@@ -57,7 +57,9 @@ COPY pyproject.toml ./
 COPY eagle3build ./eagle3build
 # The hidden-states connector is located, not imported: importing vllm.distributed loads the engine's whole
 # stack (CUDA libraries, its dependencies), which is the runtime's business, not the build's.
-RUN python3 -m pip install --no-cache-dir --no-deps . \
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+ && python3 -m pip install --no-cache-dir --no-deps . \
  && python3 -c "import importlib.util as u, pathlib, eagle3build; \
 f = pathlib.Path(u.find_spec('vllm').submodule_search_locations[0], 'distributed', 'kv_transfer', \
 'kv_connector', 'v1', 'example_hidden_states_connector.py'); \
@@ -72,9 +74,12 @@ RUN if ! command -v make >/dev/null; then \
 
 # Non-root by default; `make docker-run` passes --user $(id -u):$(id -g) so files written to the
 # bind-mounted work tree belong to the caller.
+# /cache is writable by every uid (sticky, like /tmp): XDG_CACHE_HOME points there, and a caller's uid has
+# no account in the image (Snakemake's source cache, torch's and Triton's caches go there).
 RUN useradd --create-home --uid 1000 eagle \
  && mkdir -p /cache /work \
- && chown eagle:eagle /cache /work
+ && chown eagle:eagle /cache /work \
+ && chmod 1777 /cache
 USER 1000:1000
 WORKDIR /work
 

@@ -37,13 +37,17 @@ DOCKER_CACHE ?= $(HOME)/.cache/eagle3build
 DOCKER_ENV ?= HF_TOKEN HUGGING_FACE_HUB_TOKEN CUDA_VISIBLE_DEVICES
 # plus EAGLE3_IMAGE and every NCCL_* / TORCH_NCCL_* / VLLM_* / TORCHINDUCTOR_* variable set in the environment
 # or on the make command line.
-DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,EAGLE3_IMAGE $(filter NCCL_% TORCH_NCCL_% VLLM_% TORCHINDUCTOR_%,$(.VARIABLES)),\
+# (VLLM_IMAGE, VLLM_TAG and VLLM_DIGEST are this file's build variables, not vLLM settings.)
+DOCKER_ENV_ALL = $(sort $(DOCKER_ENV) $(foreach v,EAGLE3_IMAGE $(filter-out VLLM_IMAGE VLLM_TAG VLLM_DIGEST,\
+	$(filter NCCL_% TORCH_NCCL_% VLLM_% TORCHINDUCTOR_%,$(.VARIABLES))),\
 	$(if $(filter environment% command%,$(origin $(v))),$(v))))
 DOCKER_RUN_ARGS ?=
 # `--gpus $(DOCKER_GPUS)` (empty: no --gpus, for engines without the NVIDIA runtime, e.g. the CPU stand-in).
 DOCKER_GPUS ?= all
 # The container's user: the caller's, so files written to the bind-mounted work tree belong to the caller.
 DOCKER_USER ?= $(shell id -u):$(shell id -g)
+# The caller's uid has no account in the image: USER answers getpass.getuser() (Snakemake asks it).
+DOCKER_USER_NAME ?= $(or $(shell id -un 2>/dev/null),uid$(shell id -u))
 # Build: PIP_CERT_FILE (a CA bundle for pip behind a TLS-inspecting network) goes in as a BuildKit secret,
 # never into a layer; DOCKER_BUILD_NETWORK=host where only the host's network reaches the package index.
 PIP_CERT_FILE ?=
@@ -56,7 +60,7 @@ DOCKER_BUILD_ARGS ?=
 # orphaned workers.
 DOCKER_RUN_FLAGS = --rm --init \
 	$(if $(DOCKER_GPUS),--gpus $(DOCKER_GPUS)) --ipc=host \
-	--user $(DOCKER_USER) -e HOME=/tmp \
+	--user $(DOCKER_USER) -e HOME=/tmp -e USER=$(DOCKER_USER_NAME) \
 	-v "$(CURDIR):$(CURDIR)" -w "$(CURDIR)" \
 	-v "$(HF_CACHE):/cache/huggingface" -e HF_HOME=/cache/huggingface \
 	-v "$(DOCKER_CACHE):/cache/build" -e VLLM_CACHE_ROOT=/cache/build/vllm -e TRITON_CACHE_DIR=/cache/build/triton \

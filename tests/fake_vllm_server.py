@@ -1,12 +1,15 @@
 """A stand-in for `vllm serve` with the extract_hidden_states method and ExampleHiddenStatesConnector.
 
 Run as `python tests/fake_vllm_server.py serve MODEL --port P ...` (what VllmServer launches when
-extract.vllm.executable is [python, this file]). It honours vLLM's HTTP contract for extraction:
-GET /health; POST /v1/completions with prompt token ids and max_tokens=1, answered with
-`kv_transfer_params.hidden_states_path` naming `{shared_storage_path}/{request_id}.safetensors`
-(`hidden_states` bf16 [T, n_ids, H], `token_ids` int64 [T]), written after the response on a
-background thread while `<file>.lock` is held with LOCK_EX, like the real connector.
-Hidden states are a deterministic function of the token ids (`expected_hidden`).
+extract.vllm.executable is [python, this file]). It answers as vLLM 0.25.0 does (recorded from the
+real engine: tests/fixtures/vllm_0.25.0_*.json, checked in tests/test_vllm_backend.py): GET /health (200,
+empty body), /version, /v1/models; POST /v1/completions with prompt token ids, answered with the top-level
+`kv_transfer_params.hidden_states_path` naming `{shared_storage_path}/{internal request id}.safetensors`
+(`cmpl-<16 hex>-0-<8 hex>`, not the response id; `token_ids` int64 [T] then `hidden_states` bf16
+[T, n_ids, H]), written just after the response while `<file>.lock` is held with LOCK_EX, and the .lock
+left behind, like the real connector; errors as `{"error": {"message", "type", "param", "code"}}` with
+vLLM's messages (empty prompt, out-of-vocabulary id, prompt + max_tokens > max_model_len: 400; unknown
+model: 404). Hidden states are a deterministic function of the token ids (`expected_hidden`).
 
 Like the real engine it runs at most FAKE_VLLM_MAX_RUNNING requests at once; the others wait in a queue.
 A client that disconnects makes vLLM abort its request; in vLLM < 0.33 aborting a request that is still
@@ -18,6 +21,7 @@ Behaviour switches (environment, read at startup):
   FAKE_VLLM_HIDDEN_SIZE   H (default 16)
   FAKE_VLLM_VERSION       the vLLM version it plays (default 0.25.0, the pinned image's)
   FAKE_VLLM_MAX_RUNNING   requests the engine runs at once (default 64)
+  FAKE_VLLM_VOCAB_SIZE    ids it accepts when MODEL is not a folder with a config.json (default 32000)
   FAKE_VLLM_STARTUP       "crash" (exit 1 after an error message) or "delay:S" (S seconds before listening)
   FAKE_VLLM_IGNORE_SIGTERM=1  ignore SIGTERM (the manager must fall back to SIGKILL)
   FAKE_VLLM_CONTROL       a JSON file {"fault": KIND, "remaining": N} read on every completion: the
@@ -145,62 +149,114 @@ def _write_connector_file(path: str, lock_fd: int, tensors: dict, delay_s: float
         os.close(lock_fd)  # releases LOCK_EX
 
 
-def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, faults: _Faults, engine: _Engine):
+def _error(code: int, message: str, param: str | None = None) -> tuple[int, dict]:
+    """vLLM's error body (0.25.0)."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(code, "InternalServerError")
+    return code, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def check_completion(req: dict, served_name: str | None, max_model_len: int | None, vocab_size: int):
+    """The error vLLM 0.25.0 answers for this completion request, or None (the messages as it words them)."""
+    if served_name and req.get("model") != served_name:
+        return _error(404, f"The model `{req.get('model')}` does not exist.", "model")
+    prompt, max_tokens = req.get("prompt"), int(req.get("max_tokens") or 16)
+    if not isinstance(prompt, list) or not prompt:
+        return _error(400, "You must pass at least one prompt")
+    if not all(isinstance(x, int) for x in prompt):
+        return _error(400, "the fake serves token-id prompts only")
+    bad = [x for x in prompt if not 0 <= x < vocab_size]
+    if bad:
+        return _error(400, f"Token id {bad[0]} is out of vocabulary")
+    if max_model_len and len(prompt) + max_tokens > max_model_len:
+        n = len(prompt)
+        return _error(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                      f"requested {max_tokens} output tokens and your prompt contains at least {n} input "
+                      f"tokens, for a total of at least {n + max_tokens} tokens. Please reduce the length of "
+                      f"the input prompt or the number of requested output tokens. (parameter=input_tokens, "
+                      f"value={n})", "input_tokens")
+    return None
+
+
+def completion_body(req_id: str, served: str, prompt: list[int], max_tokens: int, version: str,
+                    kv_transfer_params: dict | None) -> dict:
+    """A completion as vLLM 0.25.0 answers it (tests/fixtures/vllm_0.25.0_completions_extract.json)."""
+    choice = {"index": 0, "text": "x" * max_tokens, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+              "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+    return {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": served,
+            "choices": [choice], "service_tier": None, "system_fingerprint": f"vllm-{version}-fake",
+            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + max_tokens,
+                      "completion_tokens": max_tokens, "prompt_tokens_details": None},
+            "kv_transfer_params": kv_transfer_params, "metrics": None}
+
+
+def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, faults: _Faults, engine: _Engine,
+                 vocab_size: int):
+    served = args.served_model_name or args.model
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, fmt, *a):  # keep the server log short
             pass
 
-        def _send(self, code: int, obj: dict) -> None:
-            body = json.dumps(obj).encode()
+        def version_string(self) -> str:
+            return "uvicorn"
+
+        def _send(self, code: int, obj: dict | None) -> None:
+            body = json.dumps(obj).encode() if obj is not None else b""
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if obj is not None:
+                self.send_header("Content-Type", "application/json")
+            self.send_header("Vary", "Origin")
             self.end_headers()
             self.wfile.write(body)
 
         def do_GET(self):
             if self.path == "/health":
-                self._send(200, {})
+                self._send(200, None)  # vLLM: 200 with an empty body
+            elif self.path == "/version":
+                self._send(200, {"version": engine.version})
+            elif self.path == "/v1/models":
+                model = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                         "root": args.model, "parent": None, "max_model_len": args.max_model_len, "permission": []}
+                self._send(200, {"object": "list", "data": [model]})
             else:
-                self._send(404, {"error": "not found"})
+                self._send(*_error(404, "Not Found"))
 
         def do_POST(self):
             if self.path != "/v1/completions":
-                return self._send(404, {"error": "not found"})
+                return self._send(*_error(404, "Not Found"))
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            prompt = req.get("prompt")
-            if not isinstance(prompt, list) or not all(isinstance(x, int) for x in prompt) or not prompt:
-                return self._send(400, {"error": "prompt must be a non-empty list of token ids"})
-            if req.get("max_tokens") != 1:
-                return self._send(400, {"error": "extraction requests use max_tokens=1"})
-            if args.served_model_name and req.get("model") != args.served_model_name:
-                return self._send(404, {"error": f"model {req.get('model')!r} does not exist"})
-            if args.max_model_len and len(prompt) >= args.max_model_len:
-                return self._send(400, {"error": f"prompt of {len(prompt)} tokens exceeds max_model_len"})
+            rejected = check_completion(req, args.served_model_name, args.max_model_len, vocab_size)
+            if rejected:
+                return self._send(*rejected)
+            prompt, max_tokens = req["prompt"], int(req.get("max_tokens") or 16)
             fault = faults.next()
             if fault == "hang":
                 time.sleep(3600)
             if fault == "http500":
-                return self._send(500, {"error": "injected failure"})
+                return self._send(*_error(500, "injected failure"))
+            # vLLM's response id, and the internal request id that names the connector's file
+            req_id = f"cmpl-{uuid.uuid4().hex[:16]}"
             if fault == "no_params":
-                return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": None})
-
-            req_id = f"cmpl-{uuid.uuid4().hex}"
+                return self._send(200, completion_body(req_id, served, prompt, max_tokens, engine.version, None))
             if not engine.admit(self.connection, req_id):
                 self.close_connection = True
                 return
             try:
                 if fault and fault.startswith("slow:"):
                     time.sleep(float(fault.split(":", 1)[1]))
-                self._complete(req_id, prompt, fault)
+                path = self._save(f"{req_id}-0-{uuid.uuid4().hex[:8]}", prompt, fault)
             finally:
                 engine.slots.release()
+            self._send(200, completion_body(req_id, served, prompt, max_tokens, engine.version,
+                                            {"hidden_states_path": path}))
 
-        def _complete(self, req_id: str, prompt: list[int], fault: str | None) -> None:
+        def _save(self, internal_id: str, prompt: list[int], fault: str | None) -> str:
+            """Start the connector's write of the prompt's states; the file comes after the answer."""
             folder = storage.parent if fault == "outside_path" else storage
-            path = str(folder / f"{req_id}.safetensors")
+            path = str(folder / f"{internal_id}.safetensors")
             ids = np.asarray(prompt, dtype=np.int64)
             hidden = expected_hidden(ids, layer_ids, hidden_size)
             if fault == "wrong_ids":
@@ -210,25 +266,27 @@ def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, fa
             if fault == "bad_shape":
                 hidden = hidden[:, :-1]
             lock_fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # like the connector: before the path is handed out
             if fault == "corrupt":
                 Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")
                 os.close(lock_fd)
-            else:
-                tensors = {"hidden_states": ("BF16", to_bf16_bits(hidden)), "token_ids": ("I64", ids)}
+            else:  # vLLM writes token_ids first, and never deletes the .lock
+                tensors = {"token_ids": ("I64", ids), "hidden_states": ("BF16", to_bf16_bits(hidden))}
                 threading.Thread(target=_write_connector_file, args=(path, lock_fd, tensors, 0.05)).start()
-            self._send(
-                200,
-                {
-                    "id": req_id,
-                    "object": "text_completion",
-                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1},
-                    "kv_transfer_params": {"hidden_states_path": path},
-                },
-            )
+            return path
 
     return Handler
+
+
+def _vocab_size(model: str) -> int:
+    """The target's vocab_size (its config.json when the model is a folder), else FAKE_VLLM_VOCAB_SIZE."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        vocab = (cfg.get("text_config") or cfg).get("vocab_size")
+        if vocab:
+            return int(vocab)
+    return int(os.environ.get("FAKE_VLLM_VOCAB_SIZE", "32000"))
 
 
 def main() -> int:
@@ -278,9 +336,9 @@ def main() -> int:
     print(f"fake vllm serve: vLLM API server version {version}", flush=True)
     engine = _Engine(int(os.environ.get("FAKE_VLLM_MAX_RUNNING", "64")), version, worker)
     storage.mkdir(parents=True, exist_ok=True)
-    handler = make_handler(
-        args, layer_ids, hidden_size, storage, _Faults(os.environ.get("FAKE_VLLM_CONTROL")), engine
-    )
+    handler = make_handler(args, layer_ids, hidden_size, storage, _Faults(os.environ.get("FAKE_VLLM_CONTROL")),
+                           engine, _vocab_size(args.model))
+    ThreadingHTTPServer.request_queue_size = 1024  # uvicorn's backlog is 2048; socketserver's 5
     server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     print(f"fake vllm serve: listening on {args.host}:{args.port}", flush=True)

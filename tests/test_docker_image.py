@@ -79,7 +79,7 @@ def make_vars(pin: str) -> list[str]:
             *([f"PIP_CERT_FILE={CERT}"] if Path(CERT).exists() else [])]  # fmt: skip
 
 
-def make(tree: Path, *args: str, caller: bool = False, timeout: float = 1800, **popen) -> subprocess.CompletedProcess:
+def make(tree: Path, *args: str, caller: bool = False, timeout: float = 1800, popen: bool = False, **kw):
     """make in `tree`; with `caller`, as the non-root caller (when run as root) holding the socket's group."""
     cmd = ["make", "--no-print-directory", *args]
     env = {**os.environ}
@@ -88,7 +88,7 @@ def make(tree: Path, *args: str, caller: bool = False, timeout: float = 1800, **
         cmd = ["setpriv", f"--reuid={CALLER[0]}", f"--regid={CALLER[1]}", f"--groups={sock_gid}", *cmd]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tree / ".home"), "LANG": "C.UTF-8"}
     if popen:
-        return subprocess.Popen(cmd, cwd=tree, env=env, **popen)
+        return subprocess.Popen(cmd, cwd=tree, env=env, **kw)
     return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -330,3 +330,16 @@ def test_attention_kernel_is_checked_on_the_gpu_only(tmp_path, monkeypatch):
     assert calls == [("flash", "cuda"), ("flash", "cuda")]
     cfg["train"]["attention"] = "flex"
     assert doctor.check_attention(doctor.Context(cfg)).status == "ok" and len(calls) == 2
+
+
+def test_a_deepseek_v3_router_vllm_would_compute_otherwise_is_flagged(tmp_path):
+    """vLLM defaults scoring_func to softmax; DeepSeek-V3 routes with sigmoid (what HF computes). A config
+    that does not say so (as transformers writes it) gives other states under the vllm backend."""
+    written = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+               "num_hidden_layers": 8, "vocab_size": 1000, "kv_lora_rank": 16, "n_routed_experts": 8}
+    ctx = doctor.Context(make_config(tmp_path, "unused", extract={"backend": "vllm"}))
+    ctx.full_config = ctx.target_config = written
+    check = doctor.check_architecture(ctx)
+    assert check.status == "warn" and "scoring_func: sigmoid" in check.fix and "topk_method: noaux_tc" in check.fix
+    ctx.full_config = ctx.target_config = {**written, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    assert doctor.check_architecture(ctx).status == "ok"

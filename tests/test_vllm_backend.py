@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -544,3 +546,134 @@ def test_a_killed_job_leaves_the_server_running(run_dir, tmp_path):
     extract_shard_vllm(str(tmp_path / "t1.safetensors"), str(tmp_path / "h1.safetensors"), params, str(run_dir))
     assert _server_state(run_dir).pid == state.pid and _alive(state.pid)
     assert "KeyError" not in Path(state.log).read_text()
+
+
+# ---------------------------------------------------------------- the fake against the real engine
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def recorded(name: str) -> dict:
+    """An answer of the real vLLM 0.25.0 (`vllm serve` started by build_command on an H100, SmolLM2)."""
+    return json.loads((FIXTURES / f"vllm_0.25.0_{name}.json").read_text())
+
+
+def _shape(value):
+    """A JSON value's structure: dict keys (recursively), list element structure, and the type of leaves."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    return type(value).__name__
+
+
+def _words(message: str) -> str:
+    return re.sub(r"\d+", "N", message)
+
+
+def _ask(port: int, method: str, path: str, body: dict | None = None):
+    import requests
+
+    response = requests.request(method, f"http://127.0.0.1:{port}{path}", json=body, timeout=30)
+    return response, (response.json() if response.content else None)
+
+
+@pytest.fixture(scope="module")
+def fake_as_served(tmp_path_factory):
+    """The fake behind the relay, as the client reaches it (max_model_len = prepare.max_length + 1 = 8192)."""
+    d = tmp_path_factory.mktemp("recorded") / "run"
+    d.mkdir()
+    params = make_params(d)
+    params["max_length"] = 8191
+    server = VllmServer(d, params)
+    with server.lease():
+        yield server, server.read_state()
+    stop_servers(d)
+
+
+def test_the_fake_answers_completions_like_vllm_0_25_0(fake_as_served):
+    server, state = fake_as_served
+    real = recorded("completions_extract")
+    response, body = _ask(state.port, "POST", "/v1/completions", real["request"]["body"])
+    assert response.status_code == real["status"] == 200
+    assert response.headers["content-type"] == real["headers"]["content-type"]
+    expected = _shape(real["json"])
+    expected["choices"][0]["text"] = "str"
+    assert _shape(body) == expected  # every field, nested, with the same JSON types (nulls included)
+    # The file is named by vLLM's internal request id, not the response id: only the path names it.
+    assert re.fullmatch(r"cmpl-[0-9a-f]{16}", body["id"]) and re.fullmatch(r"cmpl-[0-9a-f]{16}", real["json"]["id"])
+    path = Path(body["kv_transfer_params"]["hidden_states_path"])
+    pattern = r"(cmpl-[0-9a-f]{16})-0-[0-9a-f]{8}\.safetensors"
+    assert re.fullmatch(pattern, path.name).group(1) == body["id"]
+    real_name = Path(real["json"]["kv_transfer_params"]["hidden_states_path"]).name
+    assert re.fullmatch(pattern, real_name).group(1) == real["json"]["id"]
+    assert path.parent == server.storage_path
+
+    layout = recorded("connector_layout")
+    lock = Path(f"{path}.lock")
+    assert lock.exists()  # held with LOCK_EX before the answer, like the real connector
+    with process.flock(lock, fcntl.LOCK_SH):
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+        header = json.loads(path.read_bytes()[8:8 + header_len])
+    real_header = layout["safetensors_header"]
+    assert list(header) == list(real_header)  # token_ids first, then hidden_states
+    n = len(real["request"]["body"]["prompt"])
+    assert [header[k]["dtype"] for k in header] == [real_header[k]["dtype"] for k in real_header]
+    assert header["token_ids"]["shape"] == real_header["token_ids"]["shape"] == [n]
+    assert header["hidden_states"]["shape"][:2] == real_header["hidden_states"]["shape"][:2] == [n, 4]
+    assert lock.exists() and layout["files_after_1s"][1].endswith(".lock")  # the server leaves the lock
+    path.unlink()
+    lock.unlink()
+
+
+@pytest.mark.parametrize("name", ["err_too_long", "err_empty_prompt", "err_wrong_model", "err_bad_token_id"])
+def test_the_fake_refuses_like_vllm_0_25_0(fake_as_served, name):
+    _, state = fake_as_served
+    real = recorded(name)
+    request = dict(real["request"]["body"])
+    if name == "err_too_long":  # recorded with its 8,192 ids stripped: as long as max_model_len
+        request["prompt"] = [5] * 8192
+    response, body = _ask(state.port, "POST", "/v1/completions", request)
+    assert response.status_code == real["status"]
+    assert _shape(body) == _shape(real["json"])
+    got, want = body["error"], real["json"]["error"]
+    assert (got["type"], got["param"], got["code"]) == (want["type"], want["param"], want["code"])
+    assert _words(got["message"]) == _words(want["message"])
+
+
+def test_the_fake_serves_health_version_models_and_longer_answers_like_vllm_0_25_0(fake_as_served):
+    _, state = fake_as_served
+    real = recorded("health")
+    response, _ = _ask(state.port, "GET", "/health")
+    assert response.status_code == real["status"] and response.content == b"" == real["text"].encode()
+    assert "content-type" not in response.headers and "content-type" not in real["headers"]
+    response, body = _ask(state.port, "GET", "/version")
+    assert body == recorded("version")["json"]
+    response, body = _ask(state.port, "GET", "/v1/models")
+    real = recorded("models")["json"]
+    assert set(body) == set(real) and set(body["data"][0]) == set(real["data"][0])
+    assert body["data"][0]["id"] == real["data"][0]["id"] == "eagle3build-target"
+    assert body["data"][0]["max_model_len"] == real["data"][0]["max_model_len"] == 8192
+    real = recorded("max_tokens_2")  # accepted: the file still holds the prompt's states only
+    response, body = _ask(state.port, "POST", "/v1/completions", real["request"]["body"])
+    assert response.status_code == real["status"] and body["usage"] == real["json"]["usage"]
+    path = Path(body["kv_transfer_params"]["hidden_states_path"])
+    with process.flock(Path(f"{path}.lock"), fcntl.LOCK_SH):
+        assert read_safetensors_shapes(path) == {"token_ids": [17], "hidden_states": [17, 4, HIDDEN]}
+    path.unlink()
+    Path(f"{path}.lock").unlink()
+
+
+def read_safetensors_shapes(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_a_rejection_quotes_vllm_and_names_what_to_change(run_dir, tmp_path):
+    """The error's own message, and a hint that fits it (not a length hint for every 4xx)."""
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(3, 4))  # ids < 1000
+    params = make_params(run_dir, env={"FAKE_VLLM_VOCAB_SIZE": "500"}, retries=0)
+    with pytest.raises(UserError, match=r"HTTP 400: Token id \d+ is out of vocabulary\); the token shards hold ids"):
+        extract_shard_vllm(str(tokens), str(out), params, str(run_dir))

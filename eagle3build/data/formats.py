@@ -1,13 +1,14 @@
 """Dataset readers for the split stage: many conversation formats in, one normalized record out.
 
 A normalized conversation (docs/DESIGN.md) is
-    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...]}],
+    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "tool_calls"?: [...],
+                   "reasoning_content"?: str (assistant), "tool_call_id"?: str (tool)}],
      "tools"?: [...]}
 (the split stage adds the "id"). Readers:
 
     sharegpt   {"conversations": [{"from", "value"}], "tools"?}; DPO files add "chosen" (used as the final
                assistant turn) and "rejected" (ignored)
-    openai     {"messages": [{"role", "content", "tool_calls"?}]}
+    openai     {"messages": [{"role", "content", "tool_calls"?, "reasoning_content"?, "tool_call_id"?}]}
     alpaca     {"instruction", "input"?, "output", "system"?, "history"?: [[user, assistant], ...]}
                (AlpacaEval's {"instruction", "output", "generator", "dataset"} included)
     hh         raw text "\\n\\nHuman: ... \\n\\nAssistant: ..." in "chosen" or "text" (hh-rlhf)
@@ -354,6 +355,13 @@ def _from_openai(data: dict, where: str) -> tuple[list[dict], list | None]:
         out = {"role": role, "content": _text(message.get("content"), at, "content")}
         if message.get("tool_calls"):
             out["tool_calls"] = message["tool_calls"]
+        # A thinking model's turn as a reasoning parser returns it (vLLM's field, or SGLang's older name):
+        # chat templates render `reasoning_content`, and prepare.thinking decides what is trained.
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if role == "assistant" and reasoning:
+            out["reasoning_content"] = _text(reasoning, at, "reasoning_content")
+        if role == "tool" and message.get("tool_call_id"):  # templates name the call a result answers
+            out["tool_call_id"] = str(message["tool_call_id"])
         messages.append(out)
     return messages, _tools(data, where)
 

@@ -9,6 +9,7 @@ context, a wrong model name) raise `Rejected` at once: asking again would get th
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -37,6 +38,17 @@ class Rejected(HttpError):
     def __init__(self, status: int, body: str):
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status, self.body = status, body
+
+    @property
+    def message(self) -> str:
+        """The server's own words: OpenAI-style `{"error": {"message": ...}}` (vLLM), `{"message": ...}`,
+        else the body."""
+        try:
+            reply = json.loads(self.body)
+            error = reply.get("error", reply)
+            return str(error["message"] if isinstance(error, dict) else error)
+        except (ValueError, AttributeError, KeyError, TypeError):
+            return self.body[:500]
 
 
 class GaveUp(HttpError):

@@ -294,13 +294,20 @@ class ServerFiles:
             yield
 
 
+def module_command(module: str, args: list[str]) -> list[str]:
+    """The argv that runs `module`'s main() with this Python and this very checkout of the package, its
+    environment untouched. Not `python -m`: that puts the working directory first on sys.path, so another
+    checkout of the package there would run instead."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    bootstrap = f"import sys; sys.path.insert(0, {package_root!r}); from {module} import main; sys.exit(main())"
+    return [sys.executable, "-c", bootstrap, *args]
+
+
 def start_watchdog(files: ServerFiles, idle_s: float) -> int:
     """A detached process that stops the server of `files` once unused for idle_s; returns its pid."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "eagle3build.engine.process", "watch", str(files.lock), str(files.state),
-           str(files.clients), str(float(idle_s))]
-    return start(cmd, files.log, {**os.environ, "PYTHONPATH": path}).pid
+    cmd = module_command("eagle3build.engine.process",
+                         ["watch", str(files.lock), str(files.state), str(files.clients), str(float(idle_s))])
+    return start(cmd, files.log, dict(os.environ)).pid
 
 
 def watch(files: ServerFiles, idle_s: float) -> None:

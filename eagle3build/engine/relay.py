@@ -15,8 +15,8 @@ deletes the connector file it names (after the connector's write lock is release
 request costs GPU time once but neither crashes the engine nor leaks disk. The only way a request is
 aborted is stopping the server itself.
 
-Stdlib only: it starts in a fraction of a second and needs nothing of the image beyond Python.
-`python -c ...` with `command()`'s argv runs it; see `main` for the arguments.
+Stdlib only (and `engine.process`, itself stdlib only): it starts in a fraction of a second and needs
+nothing of the image beyond Python. `command()` gives its argv; see `main` for the arguments.
 """
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-# Headers that describe one hop, not the message (RFC 9110 7.6.1): never forwarded.
+from eagle3build.engine import process
+
+# Headers that describe one hop, not the message (RFC 9110 7.6.1), or that the relay writes itself
+# (Server, Date): never forwarded.
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-        "content-length", "host"}
+        "content-length", "host", "server", "date"}
 UPSTREAM_CONNECT_S = 5.0  # vLLM listens on localhost: a connect that takes longer means it is not up
 
 
 def command(listen_port: int, upstream_port: int, storage_path: str, child: list[str]) -> list[str]:
     """The argv that runs the relay (this Python, this package) in front of `child` (the `vllm serve`
     argv, which must listen on upstream_port). No environment is changed: vLLM sees the caller's."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    bootstrap = (f"import sys; sys.path.insert(0, {package_root!r}); "
-                 "from eagle3build.engine.relay import main; sys.exit(main())")
-    return [sys.executable, "-c", bootstrap, "--port", str(listen_port), "--upstream-port", str(upstream_port),
-            "--storage", storage_path, "--", *child]
+    return process.module_command("eagle3build.engine.relay", [
+        "--port", str(listen_port), "--upstream-port", str(upstream_port), "--storage", storage_path, "--", *child])
 
 
 def client_gone(sock: socket.socket) -> bool:
@@ -86,6 +86,11 @@ def discard_orphan(body: bytes, storage: Path) -> str | None:
     path.unlink(missing_ok=True)
     lock.unlink(missing_ok=True)
     return str(path)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a request still held for vLLM never keeps the relay from exiting with it
+    request_queue_size = 1024  # every job's requests may connect at once (socketserver's default is 5)
 
 
 def make_handler(upstream_port: int, storage: Path):
@@ -146,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     child = args.child[1:] if args.child[:1] == ["--"] else args.child
     if not child:
         parser.error("no server command after --")
-    server = ThreadingHTTPServer(("127.0.0.1", args.port),
-                                 make_handler(args.upstream_port, Path(args.storage).resolve()))
-    server.daemon_threads = True
+    server = _Server(("127.0.0.1", args.port), make_handler(args.upstream_port, Path(args.storage).resolve()))
     try:
         proc = subprocess.Popen(child, stdin=subprocess.DEVNULL)  # same process group, same log
     except OSError as e:

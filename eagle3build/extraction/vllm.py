@@ -319,11 +319,7 @@ class _Client:
             return with_retries(lambda: self._once(ids), self.cfg["retries"], _BACKOFF_S,
                                 sleep=self.cancelled.wait, before=not_cancelled)
         except Rejected as e:
-            raise UserError(
-                f"{where}: vLLM rejected the request (HTTP {e.status}: {e.body[:500]}); a sample longer "
-                f"than the server's limit needs a larger extract.vllm.max_model_len or a smaller "
-                f"prepare.max_length"
-            ) from e
+            raise UserError(f"{where}: vLLM rejected the request (HTTP {e.status}: {e.message}){_hint(e)}") from e
         except GaveUp as e:
             raise UserError(
                 f"{where}: vLLM extraction failed after {e.attempts} attempts: {e.last} "
@@ -376,6 +372,20 @@ class _Client:
         if not hidden.is_floating_point() or not torch.isfinite(hidden).all():
             raise Retryable(f"hidden_states in {path.name} has non-finite values")
         return hidden
+
+
+def _hint(rejected: Rejected) -> str:
+    """What to do about an answer vLLM will give again (its messages as vLLM 0.25.0 words them)."""
+    message = rejected.message
+    if "maximum context length" in message:
+        return ("; the sample is longer than the server's --max-model-len: raise extract.vllm.max_model_len "
+                "(null = prepare.max_length + 1) or lower prepare.max_length")
+    if "out of vocabulary" in message:
+        return "; the token shards hold ids the served target does not know: were they made with its tokenizer?"
+    if rejected.status == 404:
+        return (f"; the server on this port does not serve {SERVED_MODEL_NAME!r}: another program may hold "
+                "extract.vllm.port")
+    return ""
 
 
 def extract_shard_vllm(tokens_path: str, out_path: str, params: dict, run_dir: str) -> None:
