@@ -40,15 +40,17 @@ import urllib.request
 from pathlib import Path
 
 import torch
-
 import vllm_common as vc
+
 from eagle3build.engine import process
 from eagle3build.engine.vllm_server import SERVED_MODEL_NAME
 from eagle3build.extraction.vllm import VllmServer, extract_shard_vllm, stop_servers
 from eagle3build.shards import write_tokens
 
 BENCH = "vllm_abort_probe"
-CRASH_MARKERS = ("KeyError", "EngineDeadError", "Traceback", "EngineCore encountered", "AssertionError")
+# What a dying engine core logs. Not "Traceback": the relay's HTTP server prints one for every client that
+# resets a kept-alive connection, which is what the probe does on purpose.
+CRASH_MARKERS = ("KeyError", "EngineDeadError", "EngineCore encountered", "AssertionError")
 
 
 def get(port: int, path: str, timeout: float = 3.0) -> tuple[int | str, str]:
@@ -76,26 +78,12 @@ def one_request(port: int, ids: list[int]) -> str:
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             path = json.loads(r.read())["kv_transfer_params"]["hidden_states_path"]
-        wait_unlocked(path)
+        vc.wait_and_delete(path)
         return str(r.status)
     except urllib.error.HTTPError as e:
         return str(e.code)
     except (OSError, ValueError, KeyError) as e:
         return type(e).__name__
-
-
-def wait_unlocked(path: str, limit_s: float = 30.0) -> None:
-    """Delete a connector file once its writer released the lock (the connector never deletes the .lock)."""
-    import fcntl
-
-    deadline = time.time() + limit_s
-    while not os.path.exists(path) and time.time() < deadline:
-        time.sleep(0.01)
-    if os.path.exists(path + ".lock"):
-        with open(path + ".lock") as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-    Path(path).unlink(missing_ok=True)
-    Path(path + ".lock").unlink(missing_ok=True)
 
 
 def settled_files(folder: Path, quiet_s: float = 2.0, limit_s: float = 120.0) -> dict:
@@ -145,7 +133,7 @@ def flood(port: int, metrics_port: int, args, seed: int) -> dict:
                 data += chunk
             code = data.split(b" ", 2)[1].decode() if data else "empty"
             if code == "200":
-                wait_unlocked(json.loads(data.split(b"\r\n\r\n", 1)[1])["kv_transfer_params"]["hidden_states_path"])
+                vc.wait_and_delete(json.loads(data.split(b"\r\n\r\n", 1)[1])["kv_transfer_params"]["hidden_states_path"])
         except (OSError, ValueError, KeyError, IndexError) as e:
             code = type(e).__name__
         statuses[code] = statuses.get(code, 0) + 1

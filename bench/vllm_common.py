@@ -8,8 +8,11 @@ PATH); with `fake=True` it is tests/fake_vllm_server.py (extraction) or tests/fa
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +95,21 @@ def random_shards(folder: Path, vocab: int, lengths_per_shard: list[list[int]], 
         write_tokens(path, ids, [torch.ones(n) for n in lengths], {"tokenizer": "synthetic"})
         paths.append(path)
     return paths
+
+
+def wait_and_delete(path: str, limit_s: float = 30.0) -> int:
+    """Wait for a connector file's write (its .lock released), delete it and its .lock (the connector never
+    deletes the lock); returns the file's size."""
+    deadline = time.time() + limit_s
+    while not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.001)
+    if os.path.exists(path + ".lock"):
+        with open(path + ".lock") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    Path(path).unlink(missing_ok=True)
+    Path(path + ".lock").unlink(missing_ok=True)
+    return size
 
 
 def rel_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+import vllm_common as vc
 from safetensors.torch import save_file
 
-import vllm_common as vc
 from eagle3build.evaluate import hf, vllm
 
 BENCH = "vllm_eval_compare"

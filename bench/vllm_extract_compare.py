@@ -2,10 +2,11 @@
 
     # the DeepSeek-V3 stand-ins (MLA + MoE, random weights, the SmolLM2 tokenizer so its token shards serve):
     python3 bench/vllm_extract_compare.py make-dsv3 W/targets --tokenizer-from models/SmolLM2-135M-Instruct
+    python3 bench/vllm_extract_compare.py long-shard W/long.safetensors --tokenizer models/SmolLM2-135M-Instruct
     python3 bench/vllm_extract_compare.py run --work W \
         --target smollm2=models/SmolLM2-135M-Instruct --target dsv3_top2=W/targets/dsv3_top2 \
         --target dsv3_all=W/targets/dsv3_all --target dsv3_top2_nosc=W/targets/dsv3_top2_nosc \
-        --hf-from dsv3_top2_nosc=dsv3_top2 --shards W/tokens/*.safetensors \
+        --hf-from dsv3_top2_nosc=dsv3_top2 --shards build/tokens/demo/*.safetensors W/long.safetensors \
         --vllm-arg=--enforce-eager --out bench/results/vllm_extract_compare.json
     python3 bench/vllm_extract_compare.py smoke --work W --out W/vllm_extract_compare.json   # CPU, fake engine
 
@@ -36,12 +37,12 @@ import time
 from pathlib import Path
 
 import torch
-
 import vllm_common as vc
+
 from eagle3build.config import default_aux_layer_ids
 from eagle3build.extraction.hf_server import Extractor
 from eagle3build.extraction.vllm import extract_shard_vllm, stop_servers
-from eagle3build.shards import read_hidden, read_meta, read_tokens
+from eagle3build.shards import read_hidden, read_meta, read_tokens, write_tokens
 
 BENCH = "vllm_extract_compare"
 SLOTS = ("aux0", "aux1", "aux2", "final")
@@ -82,6 +83,33 @@ def make_dsv3(out: Path, tokenizer_from: Path | None, tiny: bool = False) -> dic
         routing[name] = {k: config.get(k) for k in ("num_experts_per_tok", "n_routed_experts", "topk_method",
                                                    "scoring_func")}
     return routing
+
+
+LONG_LENGTHS = [300, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500, 1600, 1700, 1800, 1900,
+                2000, 350, 650, 950, 1250, 1550, 1850]
+
+
+def long_shard(out: Path, tokenizer_dir: str, alpaca_dir: Path, lengths: list[int]) -> dict:
+    """One token shard of long conversations: alpaca_eval instruction/answer pairs chained into multi-turn
+    conversations (the target's chat template) until each reaches its length, then cut there."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = [json.loads(f.read_text()) for f in sorted(alpaca_dir.glob("*.json"))]
+    ids_list, j = [], 0
+    for length in lengths:
+        messages: list[dict] = []
+        while True:
+            row = rows[j % len(rows)][(j * 7) % len(rows[j % len(rows)])]
+            j += 1
+            messages += [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": row["output"]}]
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            if len(ids) >= length:
+                break
+        ids_list.append(list(ids)[:length])
+    write_tokens(out, ids_list, [[1] * len(x) for x in ids_list], {"tokenizer": Path(tokenizer_dir).name,
+                                                                    "note": "alpaca_eval chained, cut"})
+    return {"samples": len(ids_list), "tokens": sum(map(len, ids_list))}
 
 
 def moe_gates(decoder) -> list[tuple[int, torch.nn.Module]]:
@@ -259,6 +287,11 @@ def main() -> int:
     m.add_argument("out")
     m.add_argument("--tokenizer-from", help="a target dir whose tokenizer files the stand-ins get")
     m.add_argument("--tiny", action="store_true")
+    ls = sub.add_parser("long-shard", help="a token shard of long chained alpaca_eval conversations")
+    ls.add_argument("out")
+    ls.add_argument("--tokenizer", required=True, help="the target dir whose tokenizer and chat template to use")
+    ls.add_argument("--alpaca-eval", default=str(vc.ROOT.parent / "shared/assets/data/train/alpaca_eval"))
+    ls.add_argument("--lengths", type=int, nargs="+", default=LONG_LENGTHS)
     for name in ("run", "smoke"):
         r = sub.add_parser(name)
         r.add_argument("--work", required=name == "smoke", help="scratch folder (hidden shards, run dirs)")
@@ -271,13 +304,16 @@ def main() -> int:
         if name == "run":
             r.add_argument("--target", action="append", required=True, help="NAME=DIR (repeat)")
             r.add_argument("--hf-from", action="append", default=[],
-                           help="NAME=OTHER: compare NAME's vLLM states with OTHER's HF states (same weights)")
+                           help="NAME=OTHER: compare NAME's vLLM states with OTHER's HF states (same weights; OTHER listed first)")
             r.add_argument("--shards", nargs="+", required=True)
             r.add_argument("--fake", action="store_true", help="tests/fake_vllm_server.py instead of vLLM")
     args = p.parse_args()
     if args.cmd == "make-dsv3":
         print(json.dumps(make_dsv3(Path(args.out), Path(args.tokenizer_from) if args.tokenizer_from else None,
                                    args.tiny), indent=1))
+        return 0
+    if args.cmd == "long-shard":
+        print(long_shard(Path(args.out), args.tokenizer, Path(args.alpaca_eval), args.lengths))
         return 0
     if args.work is None:
         args.work = tempfile.mkdtemp(prefix="vllm-compare-")

@@ -18,9 +18,7 @@ On one synthetic token shard (bench/extract_throughput.py's log-uniform 64-2,048
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,14 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
 import vllm_common as vc
+from extract_throughput import disk_bandwidth, make_lengths
+
 from eagle3build.config import default_aux_layer_ids
 from eagle3build.engine.vllm_server import SERVED_MODEL_NAME
 from eagle3build.extraction.hf_server import Extractor
 from eagle3build.extraction.vllm import VllmServer, extract_shard_vllm, stop_servers
 from eagle3build.shards import hidden_bytes_per_token, write_tokens
-from extract_throughput import disk_bandwidth, make_lengths
 
 BENCH = "vllm_extract_throughput"
 
@@ -47,15 +45,7 @@ def bare_request(url: str, ids: list[int]) -> int:
     body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0}).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
-        path = json.loads(r.read())["kv_transfer_params"]["hidden_states_path"]
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-    size = os.path.getsize(path)
-    os.unlink(path)
-    Path(lock).unlink(missing_ok=True)
-    return size
+        return vc.wait_and_delete(json.loads(r.read())["kv_transfer_params"]["hidden_states_path"])
 
 
 def hf_rows(args, tokens: Path, work: Path, bound: dict) -> list[dict]:

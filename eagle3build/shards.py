@@ -120,10 +120,13 @@ class HiddenShard(TokenShard):
 
 def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [..., H] float -> (e4m3 [..., H], fp32 scale [...]) with one scale per row."""
-    rows = rows.float()
-    amax = rows.abs().amax(dim=-1).clamp(min=1e-12)
+    # max |x| from one min/max pass over the input (no |x| copy; exact in every float dtype), then one
+    # fp32 copy divided and clamped in place: the same values as (rows.float() / scale).clamp(...)
+    low, high = torch.aminmax(rows, dim=-1)
+    amax = torch.maximum(high.float(), low.float().neg()).clamp(min=1e-12)
     scale = amax / FP8_MAX
-    q = (rows / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scaled = rows.to(torch.float32, copy=True)
+    q = scaled.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
@@ -248,6 +251,7 @@ class HiddenShardWriter:
             self._closed = True
             self._fail(e)
         self._written = torch.zeros(n, dtype=torch.bool)
+        self._marks = threading.Lock()  # _written is marked by write_now's callers too
         self._copy_stream = None  # created on the first GPU batch
         # Bounds the batches in flight (and so the pinned host memory held) to queue_depth + 2.
         self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
@@ -313,8 +317,44 @@ class HiddenShardWriter:
             if scales is not None:
                 os.pwrite(self._fd, memoryview(scales[start:start + n]),
                           self._data_start + self._offsets["hidden_scale"] + offset * NUM_SLOTS * 4)
-            self._written[offset:offset + n] = True
+            with self._marks:
+                self._written[offset:offset + n] = True
             start += n
+
+    def write_now(self, offset: int, rows: torch.Tensor) -> None:
+        """Convert CPU rows [n, 4, H] for tokens [offset, offset+n) and write them in the calling thread.
+
+        For callers that produce rows from several threads (the vLLM client): conversion and writes then
+        run in parallel (torch and pwrite release the GIL) instead of queueing behind one writer thread.
+        Rows go in blocks of ~4 MiB of fp32, so a long sample's fp8 scratch stays small. Same bytes as
+        `write`."""
+        if rows.dim() != 3 or rows.shape[1:] != (NUM_SLOTS, self.hidden_size) or rows.is_cuda:
+            raise ValueError(f"rows must be CPU [n, {NUM_SLOTS}, {self.hidden_size}], got {tuple(rows.shape)}")
+        n = rows.shape[0]
+        if offset < 0 or offset + n > self.num_tokens:
+            raise ValueError(f"rows [{offset}, {offset + n}) outside the shard's {self.num_tokens} tokens")
+        if self._error is not None:
+            raise self._error
+        block = max(1, (4 << 20) // (4 * NUM_SLOTS * self.hidden_size))
+        for start in range(0, n, block):
+            part = rows[start:start + block].detach()
+            data, scale = quantize_fp8(part) if self.fp8 else (part.to(self.dtype), None)
+            try:
+                self._pwrite_rows(offset + start, data.contiguous(), scale)
+            except OSError as e:  # a full disk as the UserError that says so, like close() does
+                if is_no_space(e):
+                    raise no_space_error(self.path, self.total_bytes, e) from e
+                raise
+        with self._marks:
+            self._written[offset:offset + n] = True
+
+    def _pwrite_rows(self, offset: int, data: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Host rows already in the storage dtype (and their fp8 scales) to tokens [offset, ...)."""
+        os.pwrite(self._fd, memoryview(data.view(torch.uint8).numpy()).cast("B"),
+                  self._data_start + self._offsets["hidden"] + offset * self._row_bytes)
+        if scale is not None:
+            os.pwrite(self._fd, memoryview(scale.contiguous().numpy()).cast("B"),
+                      self._data_start + self._offsets["hidden_scale"] + offset * NUM_SLOTS * 4)
 
     def write(self, offset: int, rows: torch.Tensor) -> None:
         self.write_batch([(offset, rows.shape[0] if rows.dim() else 0)], rows)

@@ -57,8 +57,9 @@ DOCKER_BUILD_ARGS ?=
 # The work tree is bind-mounted at the same path, so `.snakemake/` (Snakemake's provenance records)
 # and every output persist between runs and absolute paths in logs stay valid on the host.
 # --ipc=host: NCCL and vLLM's workers share memory through /dev/shm. --init reaps the vLLM server's
-# orphaned workers.
-DOCKER_RUN_FLAGS = --rm --init \
+# orphaned workers; TINI_KILL_PROCESS_GROUP makes that init hand a signal (Ctrl-C, proxied by the client)
+# to the whole process group like a terminal does: to make alone, make would wait forever for Snakemake.
+DOCKER_RUN_FLAGS = --rm --init -e TINI_KILL_PROCESS_GROUP=1 \
 	$(if $(DOCKER_GPUS),--gpus $(DOCKER_GPUS)) --ipc=host \
 	--user $(DOCKER_USER) -e HOME=/tmp -e USER=$(DOCKER_USER_NAME) \
 	-v "$(CURDIR):$(CURDIR)" -w "$(CURDIR)" \

@@ -250,3 +250,23 @@ def container_url(image):
 
 
 CONTAINER_IMAGE = container_url(IMAGE or BASE_IMAGE)
+
+
+# ---- evaluation: evaluate.backend picks the decoder (rules/evaluate.smk)
+EVAL_VLLM = config["evaluate"]["backend"] == "vllm"
+EVAL_SERVER = config["evaluate"]["vllm"]
+
+
+def evaluate_settings():
+    """The evaluate rule's settings param: the hf backend's keys as they always were; vllm adds its own."""
+    settings = {
+        k: config["evaluate"][k]
+        for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
+    }
+    if EVAL_VLLM:
+        settings["backend"] = "vllm"
+        settings["vllm"] = {
+            k: EVAL_SERVER[k]
+            for k in ("num_speculative_tokens", "baseline", "concurrency")
+        }
+    return settings

@@ -3,24 +3,6 @@
 # target served by vLLM with the draft, eagle3build/evaluate/vllm.py). The hf backend's params are what they
 # always were; the vllm backend adds its own. Server sizes, timeouts and the environment change no result:
 # the script reads them from config.
-EVAL_VLLM = config["evaluate"]["backend"] == "vllm"
-EVAL_SERVER = config["evaluate"]["vllm"]
-
-
-def evaluate_settings():
-    settings = {
-        k: config["evaluate"][k]
-        for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
-    }
-    if EVAL_VLLM:
-        settings["backend"] = "vllm"
-        settings["vllm"] = {
-            k: EVAL_SERVER[k]
-            for k in ("num_speculative_tokens", "baseline", "concurrency")
-        }
-    return settings
-
-
 rule evaluate:
     input:
         draft=f"{OUT}/export/eagle3/model.safetensors",

@@ -24,6 +24,10 @@ Behaviour switches (environment, read at startup):
   FAKE_VLLM_VOCAB_SIZE    ids it accepts when MODEL is not a folder with a config.json (default 32000)
   FAKE_VLLM_STARTUP       "crash" (exit 1 after an error message) or "delay:S" (S seconds before listening)
   FAKE_VLLM_IGNORE_SIGTERM=1  ignore SIGTERM (the manager must fall back to SIGKILL)
+  FAKE_VLLM_WRITE_DELAY_S  seconds between the answer and the connector's write (default 0.05: a client
+                          must wait on the lock); 0 for throughput benchmarks
+  FAKE_VLLM_FAST_STATES=1 states from a precomputed table (`fast_hidden_bits`), still a function of the
+                          ids, so that a large H (4096) costs the engine a copy, not a sin per value
   FAKE_VLLM_CONTROL       a JSON file {"fault": KIND, "remaining": N} read on every completion: the
                           next N completions get the fault (N = -1: all). KIND: http500, corrupt,
                           wrong_ids, nan, bad_shape, no_params, outside_path, hang, slow:S (runs S
@@ -71,22 +75,37 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return bits
 
 
+FAST_TABLE_ROWS = 251  # fast states repeat with the token id modulo this
+
+
+def fast_hidden_bits(token_ids, layer_ids: list[int], hidden_size: int, _cache: dict = {}) -> np.ndarray:  # noqa: B006
+    """bf16 bits [T, n_ids, H] of `expected_hidden` of (token id mod FAST_TABLE_ROWS) at position 0: one
+    gather from a table computed once per shape."""
+    key = (tuple(layer_ids), hidden_size)
+    if key not in _cache:
+        rows = [expected_hidden([i], layer_ids, hidden_size) for i in range(FAST_TABLE_ROWS)]
+        _cache[key] = to_bf16_bits(np.concatenate(rows))
+    return _cache[key][np.asarray(token_ids, dtype=np.int64) % FAST_TABLE_ROWS]
+
+
 def save_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
     """Write {name: (safetensors dtype, array)} in the safetensors layout (numpy only: starts fast)."""
-    header, blobs, offset = {}, [], 0
+    header, arrays, offset = {}, [], 0
     for name, (dtype, arr) in tensors.items():
-        blob = np.ascontiguousarray(arr).tobytes()
+        arr = np.ascontiguousarray(arr)
         header[name] = {
             "dtype": dtype,
             "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(blob)],
+            "data_offsets": [offset, offset + arr.nbytes],
         }
-        blobs.append(blob)
-        offset += len(blob)
+        arrays.append(arr)
+        offset += arr.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+        f.write(struct.pack("<Q", len(head)) + head)
+        for arr in arrays:  # straight from the arrays' memory: no joined copy of a large file
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
 
 
 class _Faults:
@@ -192,6 +211,8 @@ def completion_body(req_id: str, served: str, prompt: list[int], max_tokens: int
 def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, faults: _Faults, engine: _Engine,
                  vocab_size: int):
     served = args.served_model_name or args.model
+    fast_states = os.environ.get("FAKE_VLLM_FAST_STATES") == "1"
+    write_delay_s = float(os.environ.get("FAKE_VLLM_WRITE_DELAY_S", "0.05"))
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -258,21 +279,24 @@ def make_handler(args, layer_ids: list[int], hidden_size: int, storage: Path, fa
             folder = storage.parent if fault == "outside_path" else storage
             path = str(folder / f"{internal_id}.safetensors")
             ids = np.asarray(prompt, dtype=np.int64)
-            hidden = expected_hidden(ids, layer_ids, hidden_size)
+            if fast_states:
+                bits = fast_hidden_bits(ids, layer_ids, hidden_size)
+            else:
+                bits = to_bf16_bits(expected_hidden(ids, layer_ids, hidden_size))
             if fault == "wrong_ids":
                 ids = ids[::-1] + 1
             if fault == "nan":
-                hidden[len(prompt) // 2, 1, 0] = np.nan
+                bits[len(prompt) // 2, 1, 0] = 0x7FC0
             if fault == "bad_shape":
-                hidden = hidden[:, :-1]
+                bits = bits[:, :-1]
             lock_fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # like the connector: before the path is handed out
             if fault == "corrupt":
                 Path(path).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")
                 os.close(lock_fd)
             else:  # vLLM writes token_ids first, and never deletes the .lock
-                tensors = {"token_ids": ("I64", ids), "hidden_states": ("BF16", to_bf16_bits(hidden))}
-                threading.Thread(target=_write_connector_file, args=(path, lock_fd, tensors, 0.05)).start()
+                tensors = {"token_ids": ("I64", ids), "hidden_states": ("BF16", bits)}
+                threading.Thread(target=_write_connector_file, args=(path, lock_fd, tensors, write_delay_s)).start()
             return path
 
     return Handler

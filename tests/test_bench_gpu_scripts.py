@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import STORIES
-from eagle3build.shards import HiddenShardWriter
+
+from eagle3build.shards import HiddenShardWriter, read_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -77,6 +77,17 @@ def test_comparison_counts_rows_beyond_each_tolerance_and_the_router_near_ties(t
     assert report["shards"]["s.safetensors"]["meta_differs"] == ["backend"]
 
 
+def test_long_shard_chains_conversations_to_each_length(tmp_path):
+    smollm2, alpaca = ROOT / "models" / "SmolLM2-135M-Instruct", ROOT.parent / "shared/assets/data/train/alpaca_eval"
+    if not (smollm2 / "tokenizer.json").exists() or not alpaca.exists():
+        pytest.skip("needs models/SmolLM2-135M-Instruct and ../shared/assets")
+    info = compare.long_shard(tmp_path / "long.safetensors", str(smollm2), alpaca, [300, 1200])
+    tokens = read_tokens(tmp_path / "long.safetensors")
+    assert info == {"samples": 2, "tokens": 1500} and tokens.lengths == [300, 1200]
+    im_start = 1  # SmolLM2's <|im_start|>: the long sample holds several turns
+    assert int((tokens.sample(1)[0] == im_start).sum()) >= 4
+
+
 def test_extract_compare_smoke_runs_both_backends_and_the_dsv3_stand_ins(tmp_path):
     run = smoke("vllm_extract_compare.py", tmp_path, "smoke")
     assert set(run["targets"]) == {"llama", "dsv3_top2", "dsv3_all", "dsv3_top2_nosc"}
@@ -118,7 +129,7 @@ def test_eval_compare_smoke_reads_tau_from_both_evaluators(tmp_path):
         pytest.skip("../shared/assets is absent")
     run = smoke("vllm_eval_compare.py", tmp_path, "--smoke")
     assert set(run["sets"]) == {"stories", "first"}
-    for name, s in run["sets"].items():
+    for s in run["sets"].values():
         # the fake engine accepts one token per two answer tokens: tau = 2 exactly
         assert s["vllm"]["tau"] == pytest.approx(2.0)
         assert 1.0 <= s["hf"]["tau"] <= 4.0
@@ -174,3 +185,19 @@ def test_recorded_h100_results_hold_what_benchmarks_md_states():
     hf = [r["share_of_disk_bound"] for m in tp["measurements"] for r in m["rows"] if r["backend"] == "hf"
           and r["storage"] == "bf16"]
     assert max(shares) < 0.7 <= min(hf)  # the bar: met by HF, not by vLLM
+
+
+# ---------------------------------------------------------------- fixtures recorded from an engine
+def test_fixture_recorder_writes_the_files_tests_fixtures_holds(tmp_path):
+    from eagle3build.evaluate.vllm import parse_metrics
+
+    proc = subprocess.run([sys.executable, str(BENCH / "vllm_fixtures.py"), "--smoke", "--work", str(tmp_path / "w"),
+                           "--out", str(tmp_path / "fx")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = sorted(p.name for p in (tmp_path / "fx").iterdir())
+    assert written == sorted(p.name for p in (ROOT / "tests" / "fixtures").glob("vllm_0.25.0_*"))
+    counters = parse_metrics((tmp_path / "fx" / "vllm_0.25.0_metrics.txt").read_text(), 3)
+    assert counters.drafts > 0 and counters.accepted == sum(counters.accepted_per_position)
+    layout = json.loads((tmp_path / "fx" / "vllm_0.25.0_connector_layout.json").read_text())
+    assert layout["after_write"]["file_exists"] and set(layout["safetensors_header"]) >= {"hidden_states", "token_ids"}
+    assert no_server_left(tmp_path / "w" / "run")

@@ -1,8 +1,8 @@
 """The image for real, on the CPU stand-in for the vLLM image (docker/standin/): built by `make docker-build`
 through the Dockerfile's own build args, the demo run inside it by `make docker-run` as the calling user
 (non-root) with the work tree bind-mounted, interrupted and resumed; then a second run, `make
-docker-dry-run` and a host `make dry-run` all plan nothing (one `.snakemake/` shared by host and
-container), and every file the container wrote belongs to the caller. The pin guard stops a build whose
+docker-dry-run` and a host `make dry-run` given the image's EAGLE3_IMAGE all plan nothing (one `.snakemake/`
+shared by host and container), and every file the container wrote belongs to the caller. The pin guard stops a build whose
 requirements contradict the engine's, naming the package.
 
 Runs where a Docker engine answers (`make docker-standin` sets one up on a Debian machine); skips, with
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,12 +45,12 @@ def _engine_problem() -> str | None:
     if client is None:
         return "no Docker client (make docker-standin installs Debian's docker.io and starts dockerd)"
     try:
-        info = subprocess.run([client, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                              timeout=10)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return "the Docker engine did not answer in 10 s"
+        info = subprocess.run([client, "version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"no Docker engine answers ({err})"
     if info.returncode != 0:
-        return f"no Docker engine runs ({info.stderr.strip()[:160]}); make docker-standin starts one"
+        why = (info.stderr.strip().splitlines() or ["no answer"])[-1][:160]
+        return f"no Docker engine runs ({why}); make docker-standin starts one"
     if shutil.which("make") is None or not (ROOT / MODEL / "config.json").exists():
         return f"make or {MODEL} missing (make setup)"
     return None
@@ -174,5 +175,14 @@ def test_demo_in_the_container_interrupted_resumed_and_shared_with_the_host(pin,
                    if p.lstat().st_uid != CALLER[0]]  # fmt: skip
         assert not foreign, foreign[:10]
 
-    host = make(tree, "dry-run")  # the host's Python reads the container's records at the same path
+    # The host's Python reads the container's records at the same path: told the engine image the hidden
+    # states came from, it plans nothing.
+    host = make(tree, "dry-run", f"EAGLE3_IMAGE={pin}")
     assert host.returncode == 0 and nothing_planned(host.stdout + host.stderr), (host.stdout + host.stderr)[-3000:]
+    # Not told, the host is another engine: the extract rule's `image` param differs ("" against the pin),
+    # so exactly the extractions and what follows them would run again (docs/PRODUCTION.md, EAGLE3_IMAGE).
+    plain = make(tree, "dry-run")
+    text = plain.stdout + plain.stderr
+    assert plain.returncode == 0, text[-3000:]
+    assert job_stats(text) == {"extract": 3, "train": 1, "export": 1, "evaluate": 1, "all": 1}, text[-3000:]
+    assert re.search(r"params have changed since last execution:\n\s+extract\n", text), text[-2000:]

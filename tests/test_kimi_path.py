@@ -120,6 +120,10 @@ def test_every_stage_ran(kimi_run):
                                                                                        "00001.safetensors"]
     assert (out / "vocab" / "mapping.safetensors").is_file()
     assert (out / "export" / "eagle3" / "model.safetensors").is_file()
+    # training released the devices the idle extraction server held (a TP-8 vLLM server keeps ~90% of
+    # every GPU until its idle timeout): nothing of extraction runs any more
+    assert "train: stopped 1 extraction server(s)" in (out / "logs" / "train.log").read_text()
+    assert not list((out / ".run").glob("hf-server-*.json"))
 
 
 def test_the_mask_covers_exactly_the_assistant_parts(kimi_run):
@@ -201,9 +205,9 @@ def stub_vllm(root: Path) -> Path:
 def make_doctor(workdir: Path, config: dict, name: str, vllm: Path | None = None) -> subprocess.CompletedProcess:
     """`make doctor CONFIG=...`, as the issue's bar runs it, in the workflow copy."""
     path = write_config(workdir, config, name)
-    env = {**os.environ, "PYTHONPATH": str(workdir)}
+    env = {**os.environ, "PYTHONPATH": f"{workdir}:{ROOT}"}  # the workflow copy's package, if it has one
     if vllm:
-        env.update(PYTHONPATH=f"{vllm}:{workdir}", PATH=f"{vllm / 'bin'}:{os.environ['PATH']}")
+        env.update(PYTHONPATH=f"{vllm}:{workdir}:{ROOT}", PATH=f"{vllm / 'bin'}:{os.environ['PATH']}")
     return subprocess.run(["make", "-f", str(ROOT / "Makefile"), "doctor", f"CONFIG={path}",
                            f"PYTHON={sys.executable}", "GPUS=0"], cwd=workdir, capture_output=True,
                           text=True, timeout=300, env=env)
@@ -250,3 +254,37 @@ def test_doctor_without_vllm_names_only_the_missing_engine(kimi_run):
     failed = [line for line in proc.stdout.splitlines() if line.startswith("[fail]")]
     assert failed == ["[fail] vLLM: vLLM is not installed in this Python"], proc.stdout
     assert "set evaluate.backend: hf" in proc.stdout
+
+
+KIMI_K25_CONFIG = {  # what moonshotai/Kimi-K2.5's config.json states about the text model (no weights here)
+    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+    "text_config": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
+        "num_hidden_layers": 61, "num_attention_heads": 64, "vocab_size": 163840, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "n_routed_experts": 384, "num_experts_per_tok": 8,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "max_position_embeddings": 262144,
+    },
+}  # fmt: skip
+
+
+def test_doctor_on_the_kimi_config_with_a_stand_in_folder(tmp_path):
+    """The bar as written: `make doctor CONFIG=configs/kimi-k2.5.yaml` with only target.model pointing at
+    a stand-in folder (Kimi's config.json, the Kimi-like remote-code tokenizer, a safetensors index for
+    the weights' size) and every other key Kimi's: no check fails where vLLM is installed."""
+    from standins.kimi import write_tokenizer
+
+    model = write_tokenizer(tmp_path / "Kimi-K2.5")
+    (model / "config.json").write_text(json.dumps(KIMI_K25_CONFIG))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 595_000_000_000}}))
+    cfg = yaml.safe_load(KIMI_CONFIG.read_text())
+    cfg["target"].update(model=str(model), revision=None)
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    proc = make_doctor(wd, cfg, "kimi.yaml", stub_vllm(tmp_path / "site"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[fail]" not in proc.stdout
+    for expected in ("[ ok ] mask", "[ ok ] aux layer ids: aux [2, 30, 58] + final 61", "[ ok ] vLLM: vLLM 0.25.0",
+                     "[ ok ] architecture: MLA target", "--max-model-len 4097", "StandinTikTokenTokenizer"):
+        assert expected in proc.stdout, (expected, proc.stdout)
+    # the hub datasets without a pinned revision are a warning, not a blocked stage
+    assert "[warn] datasets" in proc.stdout

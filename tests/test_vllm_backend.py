@@ -677,3 +677,75 @@ def test_a_rejection_quotes_vllm_and_names_what_to_change(run_dir, tmp_path):
     params = make_params(run_dir, env={"FAKE_VLLM_VOCAB_SIZE": "500"}, retries=0)
     with pytest.raises(UserError, match=r"HTTP 400: Token id \d+ is out of vocabulary\); the token shards hold ids"):
         extract_shard_vllm(str(tokens), str(out), params, str(run_dir))
+
+
+# ---------------------------------------------------------------- the client's threads
+def reference_shard(tokens: Path, out: Path, storage_dtype: str) -> None:
+    """The hidden shard the fake's states make through the writer's queue path, sample by sample in order."""
+    from eagle3build.shards import HiddenShardWriter
+
+    src = read_tokens(tokens)
+    meta = {"model": "org/fake-target", "revision": "", "layer_ids": LAYER_IDS, "backend": "vllm",
+            "image": make_params(tokens.parent)["image"]}
+    with HiddenShardWriter(out, src.input_ids, src.loss_mask, src.cu_seqlens, HIDDEN, storage_dtype, meta) as w:
+        for i in range(src.num_samples):
+            ids, _ = src.sample(i)
+            w.write(int(src.cu_seqlens[i]), expected_hidden(ids).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("storage_dtype", ["bf16", "fp8"])
+def test_rows_land_at_their_offsets_whatever_order_samples_finish(shared_run, tmp_path, storage_dtype):
+    set_fault(shared_run, "slow:0.5", 1)  # the first sample finishes after the others
+    tokens, out, ref = tmp_path / "t.safetensors", tmp_path / "h.safetensors", tmp_path / "ref.safetensors"
+    make_token_shard(tokens, lengths=(40, 3, 17, 1, 29, 8, 64, 5, 11))
+    params = make_params(shared_run, concurrency=2)
+    params["storage_dtype"] = storage_dtype
+    extract_shard_vllm(str(tokens), str(out), params, str(shared_run))
+    reference_shard(tokens, ref, storage_dtype)
+    assert out.read_bytes() == ref.read_bytes()  # the bytes the one-writer-thread path writes
+    assert list(VllmServer(shared_run, params).storage_path.iterdir()) == []
+
+
+def test_a_failed_write_fails_the_job_at_once_and_cleans_up(shared_run, tmp_path, monkeypatch):
+    from eagle3build.shards import HiddenShardWriter
+
+    set_fault(shared_run, None)
+    calls = []
+    real = HiddenShardWriter._pwrite_rows
+
+    def failing(self, offset, data, scale):  # the disk fills up at the third sample's rows
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, offset, data, scale)
+
+    monkeypatch.setattr(HiddenShardWriter, "_pwrite_rows", failing)
+    tokens, out = tmp_path / "t.safetensors", tmp_path / "h.safetensors"
+    make_token_shard(tokens, lengths=(4,) * 30)
+    with pytest.raises(UserError, match="(?i)no space|disk"):  # the writer's full-disk error, not retried
+        extract_shard_vllm(str(tokens), str(out), make_params(shared_run, retries=3), str(shared_run))
+    assert len(calls) < 30  # the samples not yet sent were cancelled
+    assert not out.exists() and not list(tmp_path.glob(".h.safetensors*"))
+    assert list(VllmServer(shared_run, make_params(shared_run)).storage_path.iterdir()) == []
+
+
+def test_fp8_quantization_is_the_reference_formula_bit_for_bit():
+    from eagle3build.shards import FP8_MAX, quantize_fp8
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rows = (torch.randn(64, 4, 96, generator=g) * torch.logspace(-6, 4, 64).view(-1, 1, 1)).to(dtype)
+        rows[3] = 0
+        x = rows.float()
+        scale = x.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+        want = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q, s = quantize_fp8(rows)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and torch.equal(s, scale)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finite_check_finds_one_bad_value(bad):
+    values = torch.randn(33, 4, 16).to(torch.bfloat16)
+    assert vllm_backend._finite(values)
+    values[17, 2, 5] = bad
+    assert not vllm_backend._finite(values)

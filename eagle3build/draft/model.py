@@ -4,7 +4,7 @@ Parameter names are exactly those of the EAGLE-3 checkpoint that vLLM and SGLang
 (`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`/`t2d`), so exporting is a rename-free copy.
 
 The decoder layer is split into `qkv` (norms, projections, RoPE) and `finish` (attention output
-projection, residual, MLP) so that training-time test (ttt.py) can run its own attention pattern
+projection, residual, MLP) so that training-time test (eagle3build/ttt/forward.py) can run its own attention pattern
 between them, while inference uses `layer` with an ordinary causal KV cache.
 """
 
@@ -267,9 +267,8 @@ class Eagle3Draft(nn.Module):
             cat(*(w[:, :H] * layer.input_layernorm.weight for w in qkv)),  # (n * g) @ W.T == n @ (W * g).T
             cat(*(w[:, H:] for w in qkv)),
             # interleaved, so each gate value sits beside its up value and the SiLU gate's backward can read
-            # the pair once and write both gradients together. With halves [gate; up], Inductor made it a
-            # cat over the two halves: 0.26 ms per step at the Llama-8B head shape on an H200, three times
-            # the forward's single pass for 1.7 times its bytes (sixteenth session's profile)
+            # the pair once and write both gradients together (with halves [gate; up], Inductor makes it a
+            # cat over the two halves, an extra pass over the weight's gradient)
             torch.stack((cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)), dim=1).flatten(0, 1),
             cast(attn.o_proj.weight),
             cast(mlp.down_proj.weight),

@@ -83,6 +83,19 @@ def stop_servers(run_dir: str | os.PathLike) -> int:
     return stopped
 
 
+def release_devices(run_dir: str | os.PathLike, stage: str) -> int:
+    """Stop this host's extraction servers of the run, HF and vLLM, before a later GPU stage (train,
+    evaluate) starts: they read every hidden shard, so no extraction job is left, while an idle server
+    would keep its GPUs until its idle timeout (a TP-8 vLLM server holds ~90% of every GPU for
+    extract.vllm.idle_timeout_s) and the stage would run out of memory. Returns how many were stopped."""
+    from eagle3build.extraction import vllm as vllm_backend  # torch and the HTTP client: only when called
+
+    stopped = stop_servers(run_dir) + int(vllm_backend.stop_servers(run_dir))
+    if stopped:
+        print(f"{stage}: stopped {stopped} extraction server(s) of this run to free their devices", flush=True)
+    return stopped
+
+
 # ---------------------------------------------------------------- the shards of a run
 def write_shard_plan(run_dir: str | os.PathLike, tokens: list[str], hidden: list[str]) -> None:
     """Record every token shard of the run with the hidden shard extracted from it (the workflow's list,

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -297,8 +297,23 @@ def stop_servers(run_dir: str | os.PathLike) -> bool:
 
 
 # ---------------------------------------------------------------- the client
+def file_threads() -> int:
+    """Threads that read, check and convert connector files at once: the cores, at most 8 (each holds
+    one sample's states in memory: [T, 4, H] bf16, 1.8 GB for a 32k-token sample at H = 7168)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores))
+
+
 class _Client:
-    """Sends the samples of a shard to the server and reads the connector's file of each."""
+    """Sends the samples of a shard to the server, reads the connector's file of each and writes its rows.
+
+    One pool of `concurrency + file_threads()` threads, one sample per task, two bounds: at most
+    `concurrency` requests are with vLLM at once (a thread holds a slot from sending to the answer only,
+    so the next request goes out while the last file is read), and at most `file_threads()` connector
+    files are read, checked, converted and written at once (the GIL is released in the reads, torch ops
+    and pwrite, so they run in parallel). Rows go straight to their offsets in the shard: the order in
+    which samples finish does not matter.
+    """
 
     def __init__(self, base_url: str, cfg: dict, storage_path: Path, hidden_size: int, log_path: Path):
         self.http = JsonClient(base_url, float(cfg["request_timeout_s"]))
@@ -307,16 +322,41 @@ class _Client:
         self.hidden_size = hidden_size
         self.log_path = log_path
         self.cancelled = threading.Event()
+        self.in_flight = threading.BoundedSemaphore(int(cfg["concurrency"]))
+        self.reading = threading.BoundedSemaphore(file_threads())
 
-    def extract(self, where: str, ids: torch.Tensor) -> torch.Tensor:
-        """hidden states [T, 4, H] of one sample, retried with exponential backoff."""
+    def run(self, label: str, input_ids: torch.Tensor, samples: list[tuple[int, int, int]],
+            writer: HiddenShardWriter) -> None:
+        """Every sample (index, start, end) of `input_ids` into `writer`. The first failure cancels the
+        samples not yet sent and is raised once the ones in flight have finished (their files deleted)."""
+        threads = int(self.cfg["concurrency"]) + file_threads()
+        with ThreadPoolExecutor(threads, thread_name_prefix="vllm-extract") as pool:
+            futures = [pool.submit(self.sample, f"{label}: sample {i} ({b - a} tokens)", input_ids[a:b], a, writer)
+                       for i, a, b in samples]
+            try:
+                for future in as_completed(futures):
+                    future.result()
+            except BaseException:
+                self.cancelled.set()
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def sample(self, where: str, ids: torch.Tensor, offset: int, writer: HiddenShardWriter) -> None:
+        if self.cancelled.is_set():
+            return
+        self.extract(where, ids, lambda rows: writer.write_now(offset, rows))
+
+    def extract(self, where: str, ids: torch.Tensor, use=lambda rows: rows):
+        """use(hidden states [T, 4, H]) of one sample, called while its connector file is read (the rows
+        may be a view of it); requests retried with exponential backoff."""
 
         def not_cancelled() -> None:
             if self.cancelled.is_set():
                 raise UserError(f"{where}: cancelled after another sample failed")
 
         try:
-            return with_retries(lambda: self._once(ids), self.cfg["retries"], _BACKOFF_S,
+            return with_retries(lambda: self._once(ids, use), self.cfg["retries"], _BACKOFF_S,
                                 sleep=self.cancelled.wait, before=not_cancelled)
         except Rejected as e:
             raise UserError(f"{where}: vLLM rejected the request (HTTP {e.status}: {e.message}){_hint(e)}") from e
@@ -326,10 +366,11 @@ class _Client:
                 f"(server log: {self.log_path}; more attempts: extract.vllm.retries)"
             ) from e
 
-    def _once(self, ids: torch.Tensor) -> torch.Tensor:
+    def _once(self, ids: torch.Tensor, use):
         sent = ids.to(torch.int64)
         body = {"model": SERVED_MODEL_NAME, "prompt": sent.tolist(), "max_tokens": 1, "temperature": 0.0}
-        reply = self.http.post_json("/v1/completions", body, what="a completion")
+        with self.in_flight:
+            reply = self.http.post_json("/v1/completions", body, what="a completion")
         path = ((reply.get("kv_transfer_params") or {}) if isinstance(reply, dict) else {}).get(
             "hidden_states_path"
         )
@@ -343,7 +384,9 @@ class _Client:
             # Never read or delete a file outside the connector's folder, whatever the server says.
             raise Retryable(f"the server named {path}, which is outside {self.storage_path}")
         try:
-            return self._load_and_check(path, sent)
+            with self.reading:
+                # A failed check is Retryable (another request); a failed write is not (the disk's).
+                return use(self._load_and_check(path, sent))
         finally:
             path.unlink(missing_ok=True)
             Path(str(path) + ".lock").unlink(missing_ok=True)
@@ -369,9 +412,18 @@ class _Client:
             raise Retryable(
                 f"hidden_states has shape {tuple(hidden.shape)}, expected [T, n_ids, H] = {expected}"
             )
-        if not hidden.is_floating_point() or not torch.isfinite(hidden).all():
+        if not hidden.is_floating_point() or not _finite(hidden):
             raise Retryable(f"hidden_states in {path.name} has non-finite values")
         return hidden
+
+
+def _finite(values: torch.Tensor) -> bool:
+    """No NaN or ±inf: min and max propagate NaN and are ±inf when any value is (one pass, no mask:
+    ~25x faster than isfinite().all() on bf16 CPU tensors)."""
+    if values.numel() == 0:
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def _hint(rejected: Rejected) -> str:
@@ -421,23 +473,7 @@ def extract_shard_vllm(tokens_path: str, out_path: str, params: dict, run_dir: s
         ) as writer,
     ):
         client = _Client(base_url, server.cfg, server.storage_path, hidden_size, server.log_path)
-        with ThreadPoolExecutor(server.cfg["concurrency"], thread_name_prefix="vllm-extract") as pool:
-            pending = {
-                pool.submit(
-                    client.extract, f"{tokens_path}: sample {i} ({b - a} tokens)", shard.input_ids[a:b]
-                ): a
-                for i, a, b in samples
-            }
-            try:
-                while pending:
-                    done, _ = wait(pending, return_when=FIRST_EXCEPTION)
-                    for future in done:
-                        writer.write(pending.pop(future), future.result())
-            except BaseException:
-                client.cancelled.set()
-                for future in pending:
-                    future.cancel()
-                raise
+        client.run(tokens_path, shard.input_ids, samples, writer)
 
 
 # ---------------------------------------------------------------- command line
