@@ -19,6 +19,10 @@ that read it, which reruns them and all that follows; going back to the baseline
 (their outputs were made from the other content). Adding the fingerprint as an input file instead would
 change the recorded set of inputs of every existing output, and Snakemake's `input` trigger would then redo
 every extraction once.
+
+A dataset's content reaches its split rule shard by shard (`shard_changes`): the baseline also records the
+content digest of each shard, and once the dataset differs only the shards whose records differ get their
+own digest as a param. Appending a record re-splits (and re-extracts) the last shard, not all of them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 from eagle3build.atomic import write_json_atomic
@@ -148,3 +153,37 @@ def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> s
             write_json_atomic(record, {"kind": kind, "key": key, "digest": current, "fingerprint": fingerprint})
         return None
     return None if baseline == current else current
+
+
+def _padded(digests: list[str], count: int) -> list[str]:
+    return digests + [""] * (count - len(digests))  # a shard without records (an empty dataset's one shard)
+
+
+def shard_changes(state_dir: str, key: str, settings: dict, changed: bool, count: int,
+                  digests: Callable[[], list[str]]) -> tuple[int, dict[int, str]]:
+    """(the shard count recorded with the baseline, {shard: content digest} of the shards that differ from it).
+
+    `changed`: whether the dataset's fingerprint differs from its baseline (`change_since_baseline`);
+    `digests()` the current per-shard digests, called only when they are needed: to record the baseline
+    (once per dataset and `settings`, the shard size and sample limit) or while the dataset differs. While it
+    is its baseline, no shard differs and the count is the current one. A dataset that changed before its
+    shards had a baseline has every shard differ."""
+    record = Path(state_dir) / f"shards-{hashlib.sha256(json.dumps([key, settings]).encode()).hexdigest()[:16]}.json"
+    try:
+        baseline = json.loads(record.read_text())
+        base_count, base_digests = int(baseline["count"]), list(baseline["digests"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        baseline = None
+    if not changed:
+        if baseline is None:
+            with contextlib.suppress(OSError):  # a read-only tree plans as if this were the baseline
+                os.makedirs(state_dir, exist_ok=True)
+                write_json_atomic(record, {"key": key, "settings": settings, "count": count,
+                                           "digests": _padded(digests(), count)}, indent=None)
+        return count, {}
+    current = _padded(digests(), count)
+    if baseline is None:
+        return count, dict(enumerate(current[:count]))
+    return base_count, {
+        i: d for i, d in enumerate(current[:count]) if i >= len(base_digests) or base_digests[i] != d
+    }

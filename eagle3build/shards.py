@@ -39,7 +39,8 @@ def _meta_str(meta: dict) -> dict[str, str]:
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
 
 
-def _meta_parse(meta: dict[str, str]) -> dict:
+def parse_metadata(meta: dict[str, str]) -> dict:
+    """safetensors metadata (strings) with JSON values decoded; other strings kept as they are."""
     out = {}
     for k, v in (meta or {}).items():
         try:
@@ -53,7 +54,7 @@ def read_meta(path: str | os.PathLike) -> dict:
     """Read only the metadata header of a shard (cheap even for a 10 GB file)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return _meta_parse(f.metadata())
+            return parse_metadata(f.metadata())
     except Exception as e:  # safetensors raises several types for corrupt headers
         raise UserError(f"{path}: not a readable safetensors shard ({e}); delete it and rerun to rebuild it") from e
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from eagle3build.doctor.context import GB, Check, Context
 from eagle3build.doctor.engine import cache_plan, describe_cache_plan
 from eagle3build.extraction.job import mirrored_shards, pending_token_shards
+from eagle3build.extraction.vllm import file_threads
 from eagle3build.shards import hidden_bytes_per_token, read_meta
 
 
@@ -128,10 +129,12 @@ def check_disk(ctx: Context) -> Check:
         )
         detail = f"{per_million}; {free / GB:.1f} GB free under {root} ({built})"
     if ctx.backend == "vllm":
-        # The connector's files of the requests in flight, each [T, 4, H] bf16.
+        # The connector's files of the requests in flight and of those answered, waiting to be read (the
+        # client reads file_threads() at once), each [T, 4, H] bf16.
         staging = Path(ctx.vllm.get("shared_storage_path") or root)
         max_length = ctx.max_length
-        burst = int(ctx.vllm["concurrency"]) * max_length * 4 * int(ctx.target_config["hidden_size"]) * 2
+        files = int(ctx.vllm["concurrency"]) + file_threads()
+        burst = files * max_length * 4 * int(ctx.target_config["hidden_size"]) * 2
         staging_free = shutil.disk_usage(_existing_parent(staging)).free
         detail += (
             f"; connector staging up to {burst / GB:.2f} GB in {staging} ({staging_free / GB:.1f} GB free)"

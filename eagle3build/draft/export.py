@@ -29,6 +29,7 @@ from eagle3build.atomic import atomic_path, save_safetensors_atomic, write_json_
 from eagle3build.config import resolve_section
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.draft.target import load_target_head, read_target_config, rope_theta_of
+from eagle3build.draft.vocab import read_mapping
 from eagle3build.errors import UserError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -160,8 +161,7 @@ def export(
     p = resolve_section("export", params)
     dtype = _DTYPES[p["dtype"]]
     tensors, c = _read_weights(weights_path)
-    with safe_open(str(mapping_path), framework="pt") as f:
-        d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
+    d2t, t2d = read_mapping(mapping_path)
     if not (torch.equal(d2t, tensors["d2t"]) and torch.equal(t2d, tensors["t2d"])):
         raise UserError(
             f"{mapping_path}: differs from the mapping {weights_path} was trained with; rerun train"

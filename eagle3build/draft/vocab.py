@@ -10,6 +10,7 @@ K >= V gives the identity mapping.
 from __future__ import annotations
 
 import torch
+from safetensors import safe_open
 
 from eagle3build.atomic import save_safetensors_atomic, write_json_atomic
 from eagle3build.errors import UserError
@@ -68,3 +69,32 @@ def build_mapping(count_paths: list[str], out_mapping: str, out_report: str, dra
                              "coverage": f"{report['coverage']:.6f}"})
     write_json_atomic(out_report, report)
     return report
+
+
+def read_mapping(path: str, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mapping `build_mapping` wrote: (d2t int64 [K], t2d bool [V]), checked against each other and,
+    when given, against the target's vocab size."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
+    except Exception as e:
+        raise UserError(
+            f"{path}: not a readable vocab mapping with 'd2t' and 't2d' ({e}); rerun the vocab stage"
+        ) from e
+    if vocab_size is not None and len(t2d) != vocab_size:
+        raise UserError(
+            f"{path}: t2d covers {len(t2d)} ids but the target's vocab_size is {vocab_size}; "
+            "the mapping was built for another tokenizer; rerun the vocab stage for this target"
+        )
+    kept = torch.arange(len(d2t)) + d2t
+    if (
+        len(d2t) == 0
+        or kept.min() < 0
+        or kept.max() >= len(t2d)
+        or not bool(t2d[kept].all())
+        or int(t2d.sum()) != len(d2t)
+    ):
+        raise UserError(
+            f"{path}: d2t and t2d disagree (d2t must be offsets to the ids t2d marks); rerun the vocab stage"
+        )
+    return d2t, t2d

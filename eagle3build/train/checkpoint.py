@@ -25,6 +25,7 @@ from eagle3build.atomic import atomic_path, save_safetensors_atomic, write_json_
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.engine.process import try_lock
 from eagle3build.errors import UserError
+from eagle3build.shards import parse_metadata
 from eagle3build.train.distributed import Dist, load_fsdp_state
 from eagle3build.train.metrics import log, truncate_metrics
 
@@ -182,17 +183,10 @@ def release_state_dir(state_dir: str | os.PathLike) -> None:
 
 
 # ============================================================================================ resume
-def _json_or_str(value: str):
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
-
-
 def _read_checkpoint(path: Path, expected_hash: str) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = {k: _json_or_str(v) for k, v in f.metadata().items()}
+            meta = parse_metadata(f.metadata())
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise UserError(

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from eagle3build.draft.target import TargetHead, load_target_head
+from eagle3build.draft.vocab import read_mapping
 from eagle3build.errors import UserError
 from eagle3build.shards import HiddenShardReader
 from eagle3build.ttt.batch import (
@@ -85,33 +85,6 @@ class HiddenDataset:
         return ids.long(), mask.bool(), hidden
 
 
-def read_mapping(path: str, target: TargetHead) -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
-    except Exception as e:
-        raise UserError(
-            f"{path}: not a readable vocab mapping with 'd2t' and 't2d' ({e}); rerun the vocab stage"
-        ) from e
-    if len(t2d) != target.vocab_size:
-        raise UserError(
-            f"{path}: t2d covers {len(t2d)} ids but the target's vocab_size is {target.vocab_size}; "
-            "the mapping was built for another tokenizer; rerun the vocab stage for this target"
-        )
-    kept = torch.arange(len(d2t)) + d2t
-    if (
-        len(d2t) == 0
-        or kept.min() < 0
-        or kept.max() >= len(t2d)
-        or not bool(t2d[kept].all())
-        or int(t2d.sum()) != len(d2t)
-    ):
-        raise UserError(
-            f"{path}: d2t and t2d disagree (d2t must be offsets to the ids t2d marks); rerun the vocab stage"
-        )
-    return d2t, t2d
-
-
 def load_inputs(
     hidden_paths: list[str], mapping_path: str, target_path: str, target_revision, max_tokens: int
 ) -> tuple[TargetHead, HiddenDataset, torch.Tensor, torch.Tensor]:
@@ -133,7 +106,7 @@ def load_inputs(
         raise UserError(
             f"{hidden_paths[0]}: extracted from revision {shard_revision}, training against {target_revision}"
         )
-    d2t, t2d = read_mapping(mapping_path, target)
+    d2t, t2d = read_mapping(mapping_path, target.vocab_size)
     if not data.samples:
         raise UserError(
             f"train: no sample in {len(hidden_paths)} shard(s) (first: {hidden_paths[0]}) has an "
