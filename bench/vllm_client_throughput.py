@@ -15,6 +15,10 @@ storage; one synthetic token shard per shape (bench/extract_throughput.py's log-
 processes, each with its own server (started and warmed before the timed shard). The hidden shards of
 the two sides must be byte-identical: the run fails otherwise. The engine alone ("bare": requests straight
 to the fake, wait for each file's lock, delete it) is measured too, as the ceiling of this machine.
+Each row gives wall tokens/s (the client, the relay and the engine share this machine's cores) and
+tokens per CPU second of the client's own process (user + system time of all its threads: HTTP, reads,
+checks, fp8 conversion, writes, deletes; the relay and the engine are other processes), the figure that
+does not depend on what else the machine runs.
 Results go to bench/results/vllm_client_throughput.json (bench/results.py).
 """
 
@@ -61,16 +65,20 @@ def run_side(args) -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     try:
         extract_shard_vllm(args.warmup, str(work / f"warm-{args.label}.safetensors"), params, str(run_dir))
-        seconds = float("inf")
+        seconds = cpu_seconds = float("inf")
         for _ in range(args.repeat):  # best of: the machine is shared, a slow pass measures the others
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             extract_shard_vllm(args.tokens, args.output, params, str(run_dir))
             seconds = min(seconds, time.perf_counter() - start)
+            # this process's CPU (all its threads, user + system): the client path's own cost; the relay
+            # and the engine are other processes
+            cpu_seconds = min(cpu_seconds, time.process_time() - cpu_start)
         concurrency = VllmServer(run_dir, params).cfg["concurrency"]
         bare = bare_engine(run_dir, params, args.tokens, concurrency) if args.bare else None
     finally:
         stop_servers(run_dir)
-    print(json.dumps({"seconds": seconds, "concurrency": concurrency, "bare_seconds": bare}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "concurrency": concurrency,
+                      "bare_seconds": bare}))
 
 
 def bare_engine(run_dir: Path, params: dict, tokens: str, concurrency: int) -> float:
@@ -188,7 +196,9 @@ def main() -> int:
                         outs[label] = r["out"]
                         row = {"side": label, "shape": shape, "hidden_size": SHAPES[shape]["hidden"],
                                "storage": dtype, "concurrency": r["concurrency"], "tokens": total,
-                               "seconds": round(r["seconds"], 3), "tokens_per_s": round(total / r["seconds"])}
+                               "seconds": round(r["seconds"], 3), "tokens_per_s": round(total / r["seconds"]),
+                               "client_cpu_seconds": round(r["cpu_seconds"], 3),
+                               "tokens_per_client_cpu_second": round(total / r["cpu_seconds"])}
                         if r["bare_seconds"]:
                             row["bare_engine_tokens_per_s"] = round(total / r["bare_seconds"])
                         rows.append(row)
@@ -202,7 +212,11 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     from results import cpu_device, record
 
-    result = {"baseline": None if args.no_baseline else args.baseline, "repeat": args.repeat, "rows": rows}
+    baseline = None
+    if not args.no_baseline:
+        baseline = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True,
+                                  text=True, check=True).stdout.strip()
+    result = {"baseline": baseline, "after": "the working tree", "repeat": args.repeat, "rows": rows}
     print("recorded in", record(BENCH, cpu_device(), result, args.out))
     return 0
 

@@ -59,7 +59,8 @@ def _digests(path: str, split: str | None, shard_size: int, limit: int | None, r
             break
         while len(hashes) <= index // shard_size:
             hashes.append(hashlib.sha256())
-        hashes[index // shard_size].update(f"{index}\0{json.dumps(record.data, sort_keys=True)}\n".encode())
+        text = json.dumps(record.data, sort_keys=True, default=str)  # hub rows may hold dates
+        hashes[index // shard_size].update(f"{index}\0{text}\n".encode())
     return [h.hexdigest()[:16] for h in hashes]
 
 

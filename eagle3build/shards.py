@@ -121,12 +121,12 @@ class HiddenShard(TokenShard):
 
 def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [..., H] float -> (e4m3 [..., H], fp32 scale [...]) with one scale per row."""
-    # max |x| from one min/max pass over the input (no |x| copy; exact in every float dtype), then one
-    # fp32 copy divided and clamped in place: the same values as (rows.float() / scale).clamp(...)
-    low, high = torch.aminmax(rows, dim=-1)
-    amax = torch.maximum(high.float(), low.float().neg()).clamp(min=1e-12)
-    scale = amax / FP8_MAX
+    # One fp32 copy; max |x| = max(max x, -min x) (exact, and no |x| copy; amax/amin are vectorised on CPU
+    # where aminmax(dim=...) is 15-20x slower); divided and clamped in place: the same values as
+    # (rows.float() / scale).clamp(...)
     scaled = rows.to(torch.float32, copy=True)
+    amax = torch.maximum(scaled.amax(dim=-1), scaled.amin(dim=-1).neg()).clamp(min=1e-12)
+    scale = amax / FP8_MAX
     q = scaled.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

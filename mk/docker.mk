@@ -105,7 +105,7 @@ lint-docker: ## hadolint the Dockerfile
 STANDIN_IMAGE ?= eagle3build-standin
 STANDIN_PIN = pin="$$(DOCKER=$$client docker/standin/build.sh)" && ref="$${pin%@*}" && \
 	set -- DOCKER=$$client VLLM_IMAGE="$${ref%:*}" VLLM_TAG="$${ref\#\#*:}" VLLM_DIGEST="$${pin\#*@}" \
-	IMAGE=$(STANDIN_IMAGE) DOCKER_GPUS= PIP_CERT_FILE=$(or $(PIP_CERT_FILE),/etc/ssl/certs/ca-certificates.crt) \
+	IMAGE=$(STANDIN_IMAGE) DOCKER_GPUS= PIP_CERT_FILE=$(or $(PIP_CERT_FILE),$(wildcard /etc/ssl/certs/ca-certificates.crt)) \
 	DOCKER_BUILD_NETWORK=host
 
 docker-standin: ## CPU machines: engine + stand-in vLLM image (local registry) + this project's image on it

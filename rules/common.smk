@@ -22,10 +22,11 @@ from eagle3build.errors import ConfigError
 from eagle3build.fingerprint import (
     change_since_baseline,
     dataset_fingerprint,
+    shard_changes,
     tokenizer_fingerprint,
     weights_fingerprint,
 )
-from eagle3build.shardplan import plan_shards, record_count
+from eagle3build.shardplan import plan_shards, record_count, shard_digests
 from eagle3build.trust import check_trust
 
 # The config as given, before the schema fills in its defaults: a rule whose params are a section the
@@ -114,15 +115,42 @@ WEIGHTS_CHANGE = _change(
 )
 
 
-def content_change(ds):
-    """A dataset's content digest once it differs from the first recorded (a param of its split rule)."""
+def split_shards_param(ds, count):
+    """The split rule's `shards` param: the shard count, as trees built so far recorded it, for every shard
+    whose records are the baseline's; {"content": digest} for each shard whose records differ from it (or
+    that it lacked). Appending a record re-splits only the shard it lands in (and any new one), so only
+    those are tokenized and extracted again. A callable (one lookup per job) only while some shard differs.
+    """
     fingerprint = dataset_fingerprint(ds["path"], cache_dir=f"{OUT}/.cache")
-    return _change("dataset", ds["path"], fingerprint, "content")
+    if fingerprint is None:  # an hf: dataset: its revision param pins it
+        return count
+    shard_size = config["prepare"]["shard_size"]
+    base_count, changed = shard_changes(
+        FINGERPRINTS,
+        ds["path"],
+        {"shard_size": shard_size, "max_samples": ds["max_samples"]},
+        change_since_baseline(FINGERPRINTS, "dataset", ds["path"], fingerprint)
+        is not None,
+        count,
+        lambda: shard_digests(
+            ds["path"],
+            ds["format"],
+            ds["split"],
+            shard_size,
+            ds["max_samples"],
+            f"{OUT}/.cache",
+            ds["revision"],
+        ),
+    )
+    if not changed:
+        return base_count
+    values = {f"{i:05d}": {"content": d} for i, d in changed.items()}
+    return lambda wildcards: values.get(wildcards.shard, base_count)
 
 
 def dataset_input(path):
     """A dataset's file or folder as an input whose mtime does not count (`ancient`): a touch must not
-    re-split (and re-extract) it; its content reaches the split rule as `content_change`.
+    re-split (and re-extract) it; its content reaches the split rule through `split_shards_param`.
     """
     return [ancient(p) for p in local_file(path)]
 
@@ -139,12 +167,13 @@ for _i, _ds in enumerate(config["datasets"]):
             f"datasets[{_i}].revision",
             f"'{_ds['path']}' is a local dataset; only hf: datasets have a hub revision (drop the key)",
         )
+    _count = _shard_count(_ds)
     DATASETS[_ds["name"]] = {
         **_ds,
         "index": _i,
-        "shards": [f"{s:05d}" for s in range(_shard_count(_ds))],
+        "shards": [f"{s:05d}" for s in range(_count)],
         "regen_sampling": regen_sampling(_ds),
-        "content_change": content_change(_ds),
+        "split_shards": split_shards_param(_ds, _count),
     }
 
 

@@ -16,7 +16,6 @@ for _ds in DATASETS.values():
         log:
             f"{OUT}/logs/split/{_ds['name']}/{{shard}}.log",
         params:
-            **_ds["content_change"],  # the dataset's content, once edited
             dataset={
                 **{
                     k: _ds[k]
@@ -25,7 +24,8 @@ for _ds in DATASETS.values():
                 # a pinned hub commit of an hf: dataset: only when set, so other configs keep their params
                 **({"revision": _ds["revision"]} if _ds["revision"] else {}),
             },
-            shards=len(_ds["shards"]),
+            # the shard count, or per shard its content digest once its records changed (common.smk)
+            shards=_ds["split_shards"],
             shard_size=config["prepare"]["shard_size"],
             version=FORMAT_VERSIONS["split"],
         run:

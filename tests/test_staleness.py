@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +27,8 @@ from eagle3build.extraction.job import stop_servers
 BEFORE_FINGERPRINTS = "76295f0"
 TEMPLATE = str(Path(__file__).parent / "data" / "chat_template.jinja")
 ALPACA = SHARED / "assets" / "data" / "train" / "alpaca_en_demo.json"
-# 2 shards per dataset: every downstream job of one dataset, then what all datasets feed.
-ONE_DATASET = {"split": 2, "tokens": 2, "extract": 2, "vocab_count": 2, "vocab": 1, "train": 1, "export": 1}
+# One shard of one dataset whose records changed (the others keep theirs), then what all datasets feed.
+ONE_SHARD = {"split": 1, "tokens": 1, "extract": 1, "vocab_count": 1, "vocab": 1, "train": 1, "export": 1}
 
 
 def config() -> dict:
@@ -194,20 +196,20 @@ def test_an_edited_model_config_reruns_extraction(built):
 
 
 @pytest.mark.slow
-def test_a_file_added_to_a_folder_dataset_resplits_it(built):
+def test_a_file_added_to_a_folder_dataset_splits_only_its_new_shard(built):
     records = json.loads(ALPACA.read_text())[300:308]
     with Edit(built / "inputs" / "folder" / "part2.jsonl") as path:
         path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-        # 24 records: 3 shards
-        assert plan(built) == {**ONE_DATASET, "split": 3, "tokens": 3, "extract": 3, "vocab_count": 3}
+        # 24 records: 3 shards, the first two holding the records they held
+        assert plan(built) == ONE_SHARD
     assert plan(built) == {}
 
 
 @pytest.mark.slow
-def test_a_file_edited_in_a_folder_dataset_resplits_it(built):
+def test_a_file_edited_in_a_folder_dataset_resplits_its_shard(built):
     with Edit(built / "inputs" / "folder" / "part1.jsonl") as path:
         path.write_text(path.read_text().replace('"instruction": "', '"instruction": "Please: ', 1))
-        assert plan(built) == ONE_DATASET
+        assert plan(built) == ONE_SHARD  # part1 holds shard 1's records
 
 
 @pytest.mark.slow
@@ -219,10 +221,10 @@ def test_a_touched_large_dataset_reruns_nothing(built):
 
 
 @pytest.mark.slow
-def test_an_edited_large_dataset_resplits_it(built):
+def test_an_edited_large_dataset_resplits_the_edited_shard(built):
     with Edit(built / "inputs" / "big.jsonl") as path:
         path.write_text(path.read_text().replace('"instruction": "', '"instruction": "Please: ', 1))
-        assert plan(built) == ONE_DATASET
+        assert plan(built) == ONE_SHARD  # the first record: shard 0
 
 
 @pytest.mark.slow
@@ -231,6 +233,167 @@ def test_a_deleted_hidden_shard_is_extracted_again_by_a_plain_run(built):
         path.unlink()
         assert plan(built) == {"extract": 1, "train": 1, "export": 1}
     assert plan(built) == {}
+
+
+# ---------------------------------------------------------------- appending to a dataset of 1,000 shards
+# The last commit whose split rule had one param for the whole dataset's content: its trees must plan nothing.
+BEFORE_SHARD_DIGESTS = "717c76c"
+MANY = 1999  # records, 2 a shard: 1,000 shards, the last one holding one record
+
+# Creates every output of the DAG (empty, in dependency order) and records each job's metadata as Snakemake
+# does when a job finishes: a tree "built" by that workflow at 1,000 shards in seconds, for dry-runs.
+_RECORD_SCRIPT = """
+import asyncio, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import (ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, Quietness,
+                                      ResourceSettings)
+
+workdir = Path(sys.argv[1])
+with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+    workflow_api = api.workflow(snakefile=workdir / "Snakefile", workdir=workdir,
+                                resource_settings=ResourceSettings(cores=1),
+                                config_settings=ConfigSettings(configfiles=[Path(sys.argv[2])]))
+    workflow_api.dag(DAGSettings(forceall=True))
+    workflow = workflow_api._workflow
+    workflow.execution_settings = ExecutionSettings()
+    workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True)
+    workflow._build_dag()
+    levels = [list(level) for level in workflow.dag.toposorted()]
+    for job in (job for level in levels for job in level):
+        for f in job.output:
+            Path(f).parent.mkdir(parents=True, exist_ok=True)
+            Path(f).touch()
+
+    async def record():
+        for job in (job for level in levels for job in level):
+            await workflow.persistence.finished(job)
+
+    asyncio.run(record())
+"""
+
+
+def many_record(i: int, text: str = "") -> str:
+    return json.dumps({"instruction": f"Say {i}{text}", "output": f"It is {i}."})
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    wd = tmp_path_factory.mktemp("many")
+    shutil.copytree(STORIES, wd / "target")
+    (wd / "inputs").mkdir()
+    (wd / "inputs" / "many.jsonl").write_text("\n".join(many_record(i) for i in range(MANY)) + "\n")
+    write_config(wd, {**config(), "datasets": [{"name": "many", "path": "inputs/many.jsonl"}],
+                      "prepare": {"max_length": 96, "shard_size": 2}})
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_SHARD_DIGESTS, *WORKFLOW_PARTS],
+                             capture_output=True)
+    if archive.returncode == 0:
+        subprocess.run(["tar", "-x", "-C", str(wd)], input=archive.stdout, check=True)
+    else:
+        copy_workflow(wd)
+    proc = subprocess.run([sys.executable, "-c", _RECORD_SCRIPT, str(wd), "config.test.yaml"], cwd=wd,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    install_current_workflow(wd)
+    return wd
+
+
+def planned_by_rule(wd: Path) -> dict[str, list[str]]:
+    """rule -> the sorted outputs of its planned jobs (split_N as 'split'), from one dry-run."""
+    text = snakemake(wd, "-n").stdout
+    outs: dict[str, list[str]] = {}
+    for block in re.split(r"\n(?=\[|rule |localrule )", text):
+        rule = re.match(r"(?:local)?rule (\w+):", block.strip())
+        output = re.search(r"output: (.*)", block)
+        if rule and output and rule.group(1) != "all":
+            name = re.sub(r"^split_\d+$", "split", rule.group(1))
+            outs.setdefault(name, []).extend(o.strip() for o in output.group(1).split(","))
+    return {rule: sorted(o) for rule, o in outs.items()}
+
+
+def shard_jobs(*shards: str) -> dict[str, list[str]]:
+    """The jobs that redo shards of dataset `many`, and the jobs every dataset feeds."""
+    return {
+        "split": [f"build/data/many/{s}.jsonl" for s in shards],
+        "tokens": sorted(f"build/tokens/many/{s}.{ext}" for s in shards for ext in ("safetensors", "json")),
+        "extract": [f"build/hidden/many/{s}.safetensors" for s in shards],
+        "vocab_count": [f"build/vocab/counts/many/{s}.safetensors" for s in shards],
+        "vocab": ["build/vocab/coverage.json", "build/vocab/mapping.safetensors"],
+        "train": ["build/train/draft.safetensors", "build/train/metrics.jsonl", "build/train/summary.json"],
+        "export": ["build/export/eagle3/config.json", "build/export/eagle3/model.safetensors"],
+    }
+
+
+@pytest.mark.slow
+def test_a_tree_built_before_shard_digests_plans_nothing(many):
+    assert plan(many) == {}
+
+
+@pytest.mark.slow
+def test_appending_to_a_dataset_re_extracts_only_the_shards_whose_content_changed(many):
+    with Edit(many / "inputs" / "many.jsonl") as path:
+        with open(path, "a") as f:
+            f.write(many_record(MANY) + "\n" + many_record(MANY + 1) + "\n")
+        # shard 999 gains a record, shard 1000 is new: the other 999 shards are not split or extracted again
+        planned = planned_by_rule(many)
+        expected = shard_jobs("00999", "01000")
+        assert {r: planned.get(r) for r in expected} == {r: sorted(o) for r, o in expected.items()}
+        assert set(planned) == set(expected)
+    assert plan(many) == {}  # the content the tree was built from again
+
+
+@pytest.mark.slow
+def test_an_edited_middle_record_re_extracts_only_its_shard(many):
+    with Edit(many / "inputs" / "many.jsonl") as path:
+        lines = path.read_text().splitlines()
+        lines[1001] = many_record(1001, " please")
+        path.write_text("\n".join(lines) + "\n")
+        planned = planned_by_rule(many)
+        expected = shard_jobs("00500")
+        assert {r: planned.get(r) for r in expected} == {r: sorted(o) for r, o in expected.items()}
+        assert set(planned) == set(expected)
+
+
+@pytest.mark.slow
+def test_a_touched_dataset_of_many_shards_plans_nothing(many):
+    with Edit(many / "inputs" / "many.jsonl") as path:
+        future = time.time() + 60
+        os.utime(path, (future, future))
+        assert plan(many) == {}
+
+
+def test_shard_digests_change_only_where_records_changed(tmp_path):
+    from eagle3build.shardplan import shard_digests
+
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(many_record(i) + "\n" for i in range(7)))
+    cache = str(tmp_path / "cache")
+    before = shard_digests(str(src), "auto", None, 3, None, cache)
+    assert len(before) == 3
+    with open(src, "a") as f:
+        f.write(many_record(7) + "\n" + many_record(8) + "\n" + many_record(9) + "\n")
+    after = shard_digests(str(src), "auto", None, 3, None, cache)
+    assert after[:2] == before[:2] and after[2] != before[2] and len(after) == 4
+    assert shard_digests(str(src), "auto", None, 3, 8, cache)[:2] == before[:2]  # max_samples: 8 records
+    assert len(shard_digests(str(src), "auto", None, 3, 8, cache)) == 3
+
+
+def test_shard_changes_name_only_the_shards_that_differ_from_the_baseline(tmp_path):
+    from eagle3build.fingerprint import shard_changes
+
+    state, settings = str(tmp_path / "fp"), {"shard_size": 2, "max_samples": None}
+    calls = []
+
+    def digests(values):
+        return lambda: calls.append(1) or list(values)
+
+    assert shard_changes(state, "d", settings, False, 3, digests("abc")) == (3, {})  # the baseline, recorded
+    assert shard_changes(state, "d", settings, False, 3, digests("abc")) == (3, {})
+    assert len(calls) == 1  # an unchanged dataset is not read again
+    assert shard_changes(state, "d", settings, True, 4, digests("abxy")) == (3, {2: "x", 3: "y"})
+    assert shard_changes(state, "d", {**settings, "shard_size": 3}, True, 2, digests("pq")) == (2, {0: "p", 1: "q"})
 
 
 # ---------------------------------------------------------------- the fingerprints themselves (fast)
