@@ -114,9 +114,10 @@ def bare_engine(run_dir: Path, params: dict, tokens: str, concurrency: int) -> f
 
 # ---------------------------------------------------------------- the driver
 def export_package(ref: str, dest: Path) -> Path:
-    """eagle3build/ and schemas/ (its defaults) of commit `ref`, written under dest with `git archive` (no worktree, no checkout)."""
+    """eagle3build/ (and schemas/, where its defaults lived before they moved into the package) of commit `ref`, written under dest with `git archive` (no worktree, no checkout)."""
     dest.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "archive", ref, "eagle3build", "schemas"], cwd=ROOT, check=True, capture_output=True)
+    parts = ["eagle3build"] + (["schemas"] if subprocess.run(["git", "cat-file", "-e", f"{ref}:schemas"], cwd=ROOT, capture_output=True).returncode == 0 else [])
+    archive = subprocess.run(["git", "archive", ref, *parts], cwd=ROOT, check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return dest
 

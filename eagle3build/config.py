@@ -15,7 +15,7 @@ from pathlib import Path
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.trust import is_local, read_json, repo_file, target_path
 
-SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+SCHEMA = Path(__file__).resolve().parent / "config.schema.yaml"  # packaged with the code (package-data)
 # Keys older configs may still set that no longer change anything: dropped with a warning, so such a
 # config keeps working. Dotted key -> why it is not needed.
 REMOVED_KEYS = {
@@ -156,7 +156,7 @@ def _check(schema: dict, value: dict, prefix: str) -> None:
     if error is not None:
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
         key = (prefix + path).lstrip(".")
-        raise ConfigError(key or "(top level)", f"{error.message} (see schemas/config.schema.yaml)")
+        raise ConfigError(key or "(top level)", f"{error.message} (see eagle3build/config.schema.yaml)")
 
 
 def section_schema(section: str) -> dict:

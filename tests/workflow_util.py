@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "schemas", "eagle3build", "profiles", "docs/report",
+WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "eagle3build", "profiles", "docs/report",
                   "docker/base-image"]
 
 

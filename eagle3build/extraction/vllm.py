@@ -29,7 +29,7 @@ Two pieces:
   returned file and writes exactly the hidden shard the HF backend writes (slots = 3 aux ids then the final
   id N).
 
-Its settings are the config section `extract.vllm` (defaults in schemas/config.schema.yaml).
+Its settings are the config section `extract.vllm` (defaults in eagle3build/config.schema.yaml).
 `python -m eagle3build.extraction.vllm stop RUN_DIR` stops this host's server (what `stop_servers` does).
 """
 
