@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, SHARED, STORIES
-from workflow_util import WORKFLOW_PARTS, copy_workflow, planned_jobs, snakemake, write_config
+from workflow_util import (
+    WORKFLOW_PARTS,
+    archive_workflow,
+    copy_workflow,
+    planned_jobs,
+    snakemake,
+    write_config,
+)
 
 from eagle3build.extraction.job import stop_servers
 
@@ -63,12 +70,7 @@ def write_inputs(wd: Path) -> None:
 
 def install_old_workflow(wd: Path) -> bool:
     """The workflow of BEFORE_FINGERPRINTS into `wd`; False where git lacks that commit."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_FINGERPRINTS, *WORKFLOW_PARTS],
-                             capture_output=True)
-    if archive.returncode != 0:
-        return False
-    subprocess.run(["tar", "-x", "-C", str(wd)], input=archive.stdout, check=True)
-    return True
+    return archive_workflow(BEFORE_FINGERPRINTS, wd)
 
 
 def install_current_workflow(wd: Path) -> None:
@@ -287,11 +289,7 @@ def many(tmp_path_factory):
     (wd / "inputs" / "many.jsonl").write_text("\n".join(many_record(i) for i in range(MANY)) + "\n")
     write_config(wd, {**config(), "datasets": [{"name": "many", "path": "inputs/many.jsonl"}],
                       "prepare": {"max_length": 96, "shard_size": 2}})
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_SHARD_DIGESTS, *WORKFLOW_PARTS],
-                             capture_output=True)
-    if archive.returncode == 0:
-        subprocess.run(["tar", "-x", "-C", str(wd)], input=archive.stdout, check=True)
-    else:
+    if not archive_workflow(BEFORE_SHARD_DIGESTS, wd):
         copy_workflow(wd)
     proc = subprocess.run([sys.executable, "-c", _RECORD_SCRIPT, str(wd), "config.test.yaml"], cwd=wd,
                           capture_output=True, text=True, timeout=900)

@@ -106,3 +106,16 @@ def planned_params(workdir: Path, config: str = "config.test.yaml") -> dict[str,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
+
+
+def archive_workflow(commit: str, wd: Path) -> bool:
+    """The workflow as it was at `commit`, into `wd` (its schema lived in schemas/ before it moved into the
+    package); False where git lacks that commit (a shallow or exported checkout)."""
+    parts = list(WORKFLOW_PARTS)
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:schemas"], capture_output=True).returncode == 0:
+        parts.append("schemas")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *parts], capture_output=True)
+    if archive.returncode != 0:
+        return False
+    subprocess.run(["tar", "-x", "-C", str(wd)], input=archive.stdout, check=True)
+    return True
