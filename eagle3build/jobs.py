@@ -33,13 +33,17 @@ def _named(items) -> dict:
 
 
 def job_command(rule: str, input, output, params, log, wildcards, config: dict, basedir: str,
-                in_container: bool = False) -> str:
-    """Write the job next to its log; return the command line that runs the rule's script on it (for `shell()`)."""
+                in_container: bool = False, run_dir: str | None = None) -> str:
+    """Write the job next to its log; return the command line that runs the rule's script on it (for `shell()`).
+
+    `run_dir`: the run's folder of server state files and locks (never an output), handed over so that no
+    script rebuilds the workflow's layout from the config."""
     spec = Path(str(log[0])).with_suffix(".job.json")
     spec.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(spec, {"rule": rule, "input": _named(input), "output": _named(output),
                              "params": _named(params), "log": [str(x) for x in log],
-                             "wildcards": dict(wildcards.items()), "config": config}, indent=1)
+                             "wildcards": dict(wildcards.items()), "config": config, "run_dir": run_dir},
+                      indent=1)
     # Inside the job's container the host's interpreter path means nothing; its `python3` runs the job.
     python = "python3" if in_container else sys.executable
     script = Path(basedir) / "scripts" / f"{rule}.py"
@@ -62,7 +66,7 @@ class Named(list):
 
 
 class Job:
-    """What a rule's script reads: input, output, params, log, wildcards, config."""
+    """What a rule's script reads: input, output, params, log, wildcards, config, the run's folder."""
 
     def __init__(self, spec: dict):
         self.rule = spec["rule"]
@@ -70,6 +74,7 @@ class Job:
         self.log = list(spec["log"])
         self.wildcards = Named({"items": list(spec["wildcards"].values()), "names": spec["wildcards"]})
         self.config = spec["config"]
+        self.run_dir = spec.get("run_dir")
 
 
 def run_job(body: Callable[[Job], None], argv: list[str] | None = None) -> None:

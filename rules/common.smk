@@ -231,6 +231,7 @@ def stage_command(name, input, output, params, log, wildcards, container_img):
         config,
         workflow.basedir,
         in_container=bool(container_img),
+        run_dir=RUN_DIR,
     )
 
 

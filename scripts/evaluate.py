@@ -10,7 +10,8 @@ from eagle3build.jobs import run_job  # noqa: E402
 def evaluate(job):
     from eagle3build.extraction.job import release_devices
 
-    release_devices(os.path.join(job.config["output_root"], ".run"), "evaluate")
+    if job.run_dir:  # the run's extraction servers hold GPUs this stage needs
+        release_devices(job.run_dir, "evaluate")
     # The device is a runtime knob from config, not a param: changing it reruns nothing.
     settings = {**job.params.settings, "device": job.config["evaluate"]["device"]}
     # The set's place in evaluate.sets names it in errors; not a param (it changes no result).

@@ -12,7 +12,8 @@ def train(job):
     from eagle3build.extraction.job import release_devices
     from eagle3build.train.launch import launch
 
-    release_devices(os.path.join(job.config["output_root"], ".run"), "train")
+    if job.run_dir:  # the run's extraction servers hold GPUs this stage needs
+        release_devices(job.run_dir, "train")
     # Logging and resume-point knobs are not params (they change no weight, rules/train.smk): from config.
     progress = {k: job.config["train"][k] for k in train_progress_keys(job.config["train"])}
     launch(hidden_paths=list(job.input.hidden), mapping_path=job.input.mapping, target=dict(job.params.target),

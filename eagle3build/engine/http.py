@@ -69,10 +69,10 @@ class JsonClient:
         self._local = threading.local()
 
     def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-            self._local.session.headers.update(self._headers)
-        return self._local.session
+        if not hasattr(self._local, "requests_session"):
+            self._local.requests_session = requests.Session()
+            self._local.requests_session.headers.update(self._headers)
+        return self._local.requests_session
 
     def _send(self, method: str, path: str, timeout_s: float, **kwargs) -> requests.Response:
         """One request; a non-2xx answer raises Retryable or Rejected."""
