@@ -7,11 +7,12 @@ CORES ?= all
 GPUS ?= $(shell $(PYTHON) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 SNAKEMAKE ?= $(PYTHON) -m snakemake
 # --configfile replaces the Snakefile's default config; targets go before --resources (see docs).
-SMK = $(SNAKEMAKE) --configfile $(CONFIG) --cores $(CORES)
+SMK = $(SNAKEMAKE) --configfile $(CONFIG) --cores $(CORES) $(SMK_ARGS)
 SMK_RES = --resources gpu=$(if $(filter 0,$(GPUS)),1,$(GPUS))
 TORCH_CPU ?= torch==2.13.0
 MODEL_DIR ?= models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
+SMK_ARGS ?=
 
 .PHONY: help setup run dry-run unlock summary dag report test test-fast lint doctor show clean clean-hidden
 

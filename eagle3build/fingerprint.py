@@ -23,6 +23,9 @@ every extraction once.
 A dataset's content reaches its split rule shard by shard (`shard_changes`): the baseline also records the
 content digest of each shard, and once the dataset differs only the shards whose records differ get their
 own digest as a param. Appending a record re-splits (and re-extracts) the last shard, not all of them.
+
+`shard_image` reads back what a hidden shard records of the engine image that made it, for a run that
+names no image of its own (rules/common.smk `extract_image`).
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _safetensors_header_hash(path: Path) -> str:
-    """The header (tensor names, dtypes, shapes, offsets, metadata): kilobytes, whatever the file's size."""
+def _safetensors_header(path: Path) -> bytes | str:
+    """The header (tensor names, dtypes, shapes, offsets, metadata): kilobytes, whatever the file's size;
+    "short" or "invalid" where the file has none."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -76,7 +80,24 @@ def _safetensors_header_hash(path: Path) -> str:
         (size,) = struct.unpack("<Q", raw)
         if size > 100 * _CHUNK:  # not a safetensors header: the size and mtime still fingerprint the file
             return "invalid"
-        return hashlib.sha256(f.read(size)).hexdigest()
+        return f.read(size)
+
+
+def _safetensors_header_hash(path: Path) -> str:
+    header = _safetensors_header(path)
+    return header if isinstance(header, str) else hashlib.sha256(header).hexdigest()
+
+
+def shard_image(path: str) -> str:
+    """The engine image a hidden shard records in its metadata (`image`, written by the job that extracted
+    it): "" where it records none, or where there is no readable shard. One header read per shard."""
+    try:
+        header = _safetensors_header(Path(path))
+        meta = json.loads(header).get("__metadata__") if isinstance(header, bytes) else None
+    except (OSError, ValueError, AttributeError):  # absent, unreadable or not a JSON object
+        return ""
+    image = meta.get("image") if isinstance(meta, dict) else None
+    return image if isinstance(image, str) else ""
 
 
 def _matching(folder: Path, patterns: tuple[str, ...]) -> list[Path]:

@@ -58,6 +58,7 @@ def convert(gguf: Path, out: Path, dtype: str = "bfloat16") -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no models/ folder yet
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)

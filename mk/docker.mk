@@ -15,7 +15,9 @@
 # the same build args); the workflow reads it (extract.image overrides it) and passes it as a param of the
 # vLLM-dependent rules, so a new vLLM image re-extracts. make never sets it: a value of the user's (shell
 # or make command line) reaches host runs as given and docker-run passes it into the container
-# (`-e EAGLE3_IMAGE`); unset, host runs see none and the container keeps the image's own.
+# (`-e EAGLE3_IMAGE`); unset, host runs name none and the container keeps the image's own. A run naming none
+# judges each hidden shard by the image the shard records (rules/common.smk extract_image): a host dry-run
+# after `make docker-run` plans nothing, while another image re-extracts.
 
 DOCKER ?= docker
 , := ,

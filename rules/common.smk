@@ -18,11 +18,13 @@ from eagle3build.config import (
     vllm_serves_target,
 )
 from eagle3build.engine.process import WORKFLOW_ENV, workflow_marker
-from eagle3build.errors import ConfigError
+from eagle3build.errors import ConfigError, UserError
+from eagle3build.evaluate.settings import sampled_temperatures
 from eagle3build.fingerprint import (
     change_since_baseline,
     dataset_fingerprint,
     shard_changes,
+    shard_image,
     tokenizer_fingerprint,
     weights_fingerprint,
 )
@@ -57,8 +59,49 @@ VOCAB_SIZE = target_config_int(TARGET, "vocab_size", TARGET_CFG)
 AUX_LAYER_IDS = resolve_aux_layer_ids(
     TARGET, config["extract"]["aux_layer_ids"], vllm_serves_target(config)
 )
-# Image tag@digest: a new image re-extracts (snakemake only hashes containers under --sdm apptainer).
+# The engine image (tag@digest) this run names: extract.image, else EAGLE3_IMAGE, which the image exports;
+# "" where neither is set (a host run). A new image re-extracts (snakemake only hashes containers under
+# --sdm apptainer).
 IMAGE = config["extract"]["image"] or os.environ.get("EAGLE3_IMAGE", "")
+
+
+HIDDEN_SHARD = f"{OUT}/hidden/{{ds}}/{{shard}}.safetensors"  # the extract rule's output
+
+
+def extract_image(wildcards):
+    """The extract rule's `image` param. A run that names an image passes it, so a shard made in another image
+    (or by a run naming none) is extracted again. A run that names none claims no engine: it takes the image
+    the existing shard records in its metadata (written by the job that made it), so hidden states made in
+    an image stay current for it (a host dry-run after `make docker-run` plans nothing); a shard it extracts
+    itself records "" (`check_image_labels` stops it re-extracting one that records an image).
+    """
+    # From the wildcards, not `output`: Snakemake does not record a param derived from a job's output.
+    return IMAGE or shard_image(
+        HIDDEN_SHARD.format(ds=wildcards.ds, shard=wildcards.shard)
+    )
+
+
+def check_image_labels(jobs):
+    """Before any job runs (outputs are still there): a run naming no image must not re-extract a shard that
+    records one (e.g. after the target's weights changed): the new hidden states would carry the name of an
+    engine that did not make them, and a later run in that image would keep them."""
+    if IMAGE:
+        return
+    labelled = sorted(
+        (str(job.output.hidden), job.params.image)
+        for job in jobs
+        if job.rule.name == "extract" and job.params.image
+    )
+    if labelled:
+        shards = "\n".join(f"  {path} (image {image})" for path, image in labelled[:5])
+        more = f"\n  and {len(labelled) - 5} more" if len(labelled) > 5 else ""
+        raise UserError(
+            f"{len(labelled)} hidden shard(s) made in an engine image would be extracted again by this run, "
+            f"which names no image (EAGLE3_IMAGE unset, extract.image null):\n{shards}{more}\n"
+            "Run it in that image (make docker-run), or name this environment's engine: "
+            "EAGLE3_IMAGE=<that image> if it is that engine, another name to re-extract every shard made "
+            "elsewhere (or delete those shards: shards extracted by a run naming no image record none)."
+        )
 
 
 # ---- datasets and their shards (counts are known when the DAG is built: the dry-run shows every job)
@@ -250,6 +293,7 @@ def preflight():
     from eagle3build.extraction.job import write_shard_plan
 
     check(config, "extract", echo=print)
+    check_image_labels(workflow.dag.needrun_jobs())
     # Shard jobs look up the GPUs once per run (eagle3build/extraction/devices.py): this run looks again.
     forget_devices(RUN_DIR)
     # The extract jobs' disk check counts every hidden shard of the run not written yet.
@@ -270,7 +314,7 @@ def target_weight_files():
 
 # The engine image pinned in docker/base-image (the Dockerfile's base, passed by make docker-build):
 # with --sdm apptainer Snakemake runs the jobs in it; EAGLE3_IMAGE or extract.image replace it.
-# Only the container gets the pin: the extract rule's `image` param stays empty on a host run.
+# Only the container gets the pin: a host run names no image (see extract_image).
 BASE_IMAGE = Path(workflow.basedir, "docker", "base-image").read_text().strip()
 
 
@@ -293,6 +337,19 @@ def evaluate_settings():
         k: config["evaluate"][k]
         for k in ("k", "max_new_tokens", "max_samples", "sequential_k")
     }
+    # sampling keys only when a temperature > 0 is asked: greedy-only configs keep their params (a list
+    # without 0 is refused here, before any job runs)
+    if sampled_temperatures(config["evaluate"]):
+        settings |= {
+            k: config["evaluate"][k]
+            for k in ("temperatures", "top_p", "seed", "draft_sample_method")
+        }
+    if config["evaluate"]["sequential_samples"] is not None:
+        # batched reference decodes: only configs that ask for them get the keys
+        settings |= {
+            k: config["evaluate"][k]
+            for k in ("sequential_samples", "reference_batch_size")
+        }
     if EVAL_VLLM:
         settings["backend"] = "vllm"
         settings["vllm"] = {

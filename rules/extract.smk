@@ -10,7 +10,7 @@ rule extract:
     input:
         tokens=f"{OUT}/tokens/{{ds}}/{{shard}}.safetensors",
     output:
-        hidden=f"{OUT}/hidden/{{ds}}/{{shard}}.safetensors",
+        hidden=HIDDEN_SHARD,
     log:
         f"{OUT}/logs/extract/{{ds}}/{{shard}}.log",
     resources:
@@ -23,7 +23,7 @@ rule extract:
         backend=config["extract"]["backend"],
         storage_dtype=config["extract"]["storage_dtype"],
         aux_layer_ids=AUX_LAYER_IDS,
-        image=IMAGE,
+        image=extract_image,  # this run's image, else the one the shard records
         version=FORMAT_VERSIONS["hidden"],
         run_dir=RUN_DIR,
     run:

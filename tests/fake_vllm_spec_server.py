@@ -11,14 +11,18 @@ metric names and labels (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers
 `vllm:request_success` (finished_reason), gauges `vllm:num_requests_running` / `_waiting`, a histogram.
 
 Acceptance is what the test asks for: a user message containing `accept:DIGITS` drafts one round per
-digit, accepting that many tokens (at most k); without it, every two answer tokens are one round accepting
-one. Requests go to engines 0, 1, ... in turn (--data-parallel-size), so counters have one series per
+digit, accepting that many tokens (at most k); at a temperature > 0 `sampled:DIGITS` does, when the message
+has it; without either, every two answer tokens are one round accepting one. The sampling fields are
+checked as vLLM's request validation does (`temperature` >= 0, `top_p` in (0, 1], `seed` an integer;
+HTTP 400 otherwise). Requests go to engines 0, 1, ... in turn (--data-parallel-size), so counters have one series per
 engine. Without --speculative-config there are no spec-decode metrics and every token costs a step.
 
 Switches (environment): FAKE_VLLM_STARTUP "crash" (exit 1 after an error message) or "delay:S";
 FAKE_VLLM_METRICS_LAG_S (counters move this long after the answer, as a real engine's may);
 FAKE_VLLM_STEP_S (seconds per decoding step, default 0.002); FAKE_VLLM_ARGV (a file that gets a line
-{"argv", "env"} per start: the arguments after the program and VLLM_USE_FLASHINFER_SAMPLER).
+{"argv", "env"} per start: the arguments after the program and VLLM_USE_FLASHINFER_SAMPLER);
+FAKE_VLLM_REQUESTS (a file that gets a line {"content", "temperature", "top_p", "seed"} per chat request:
+the last user message and the sampling fields as sent, absent ones null).
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ TOO_LONG = (
 )
 
 
-def rounds(messages: list[dict], answer_tokens: int, k: int) -> list[int]:
+def rounds(messages: list[dict], answer_tokens: int, k: int, temperature: float = 0.0) -> list[int]:
     """Accepted tokens of each verification round of one request (see the module docstring)."""
-    match = re.search(r"accept:(\d+)", messages[-1]["content"])
+    content = messages[-1]["content"]
+    match = (temperature > 0 and re.search(r"sampled:(\d+)", content)) or re.search(r"accept:(\d+)", content)
     if match:
         return [min(int(d), k) for d in match.group(1)]
     return [1] * (answer_tokens // 2)
@@ -110,6 +115,22 @@ class Metrics:
             return generate_latest(self.registry)
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "seed")
+
+
+def sampling_error(req: dict) -> str | None:
+    """vLLM's refusal of a request's sampling fields (SamplingParams' checks), or None when they are valid.
+    An absent temperature is the model's default (generation_config's, else 1.0)."""
+    temperature, top_p, seed = (req.get(f) for f in SAMPLING_FIELDS)
+    if temperature is not None and (not isinstance(temperature, int | float) or temperature < 0):
+        return f"temperature must be non-negative, got {temperature}."
+    if top_p is not None and (not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+        return f"top_p must be in (0, 1], got {top_p}."
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**63):
+        return f"seed: Input should be a valid integer, got {seed!r}"
+    return None
+
+
 def make_handler(args, metrics: Metrics, k: int | None):
     step_s = float(os.environ.get("FAKE_VLLM_STEP_S", "0.002"))
     lag_s = float(os.environ.get("FAKE_VLLM_METRICS_LAG_S", "0"))
@@ -151,11 +172,18 @@ def make_handler(args, metrics: Metrics, k: int | None):
                                           completion=max_tokens)
                 body = {"object": "error", "message": message, "type": "BadRequestError", "code": 400}
                 return self._send(400, json.dumps(body).encode())
-            if req.get("temperature") != 0.0:
-                return self._send(400, b'{"message": "this fake only decodes greedily"}')
+            invalid = sampling_error(req)
+            if invalid:
+                body = {"object": "error", "message": invalid, "type": "BadRequestError", "code": 400}
+                return self._send(400, json.dumps(body).encode())
+            if os.environ.get("FAKE_VLLM_REQUESTS"):
+                seen = {"content": messages[-1]["content"], **{f: req.get(f) for f in SAMPLING_FIELDS}}
+                with lock, open(os.environ["FAKE_VLLM_REQUESTS"], "a") as f:
+                    f.write(json.dumps(seen) + "\n")
             content, finish = fake_answer(messages, max_tokens)
             tokens = len(content.split(" "))
-            accepts = rounds(messages, tokens, k) if k else []
+            temperature = 1.0 if req.get("temperature") is None else float(req["temperature"])
+            accepts = rounds(messages, tokens, k, temperature) if k else []
             with lock:
                 engine = served["n"] % len(metrics.engines)
                 served["n"] += 1
@@ -188,6 +216,8 @@ def speculative_k(spec_json: str | None) -> int | None:
     spec = json.loads(spec_json)
     if spec.get("method") != "eagle3" or not isinstance(spec.get("num_speculative_tokens"), int):
         sys.exit(f"error: expected an eagle3 speculative config with num_speculative_tokens, got {spec}")
+    if spec.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
+        sys.exit(f"error: draft_sample_method must be 'greedy' or 'probabilistic', got {spec['draft_sample_method']}")
     if not (Path(spec["model"]) / "config.json").is_file():
         sys.exit(f"error: no draft config.json in {spec['model']}")
     return spec["num_speculative_tokens"]

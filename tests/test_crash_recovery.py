@@ -425,18 +425,35 @@ def test_atomic_path_writes_and_cleans_as_before(tmp_path):
 
 # ---------------------------------------------------------------- the real workflow, Snakemake killed alone
 def _processes_running(marker: str) -> list[int]:
-    """Pids of live processes whose command line mentions `marker` (a test's private folder)."""
+    """Pids of live processes whose command line mentions `marker` (a test's private folder) or that run in it
+    (a server started with relative paths from a job's working directory)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
         except OSError:
             continue
-        if marker in cmdline and process.alive(int(entry.name)):
+        if (marker in cmdline or cwd == marker or cwd.startswith(marker + "/")) and process.alive(int(entry.name)):
             pids.append(int(entry.name))
     return pids
+
+
+def _start_snakemake(wd: Path, *args: str, cores: int = 1) -> subprocess.Popen:
+    """Snakemake in its own process group (the group a terminal's Ctrl-C reaches), its output in wd/smk.log."""
+    with open(wd / "smk.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "snakemake", "--configfile", "config.test.yaml", "--cores",
+                                 str(cores), *args, "--resources", "gpu=1"], cwd=wd, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _end_everything_in(wd: Path) -> None:
+    for pid in _processes_running(str(wd)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    stop_servers(wd / "build" / ".run")
 
 
 @pytest.mark.slow
@@ -460,13 +477,8 @@ def test_killing_snakemake_alone_ends_its_jobs_server_and_trainer(tmp_path):
     write_config(wd, cfg)
     run_dir, build = wd / "build" / ".run", wd / "build"
 
-    def start(*targets):
-        return subprocess.Popen([sys.executable, "-m", "snakemake", "--configfile", "config.test.yaml", "--cores",
-                                 "1", *targets, "--resources", "gpu=1"], cwd=wd, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-
     try:
-        smk = start("build/train/draft.safetensors")
+        smk = _start_snakemake(wd, "build/train/draft.safetensors")
         assert wait_for(lambda: list((build / "hidden").glob("*/*.safetensors")), 600), "no shard extracted"
         state = json.loads((run_dir / "hf-server-0.json").read_text())
         smk.kill()  # Snakemake only: its jobs are not signalled
@@ -476,7 +488,7 @@ def test_killing_snakemake_alone_ends_its_jobs_server_and_trainer(tmp_path):
         assert wait_for(lambda: not _processes_running(str(wd)), 30), "a job outlived its workflow"
 
         snakemake(wd, "--unlock")
-        smk = start("build/train/draft.safetensors")
+        smk = _start_snakemake(wd, "build/train/draft.safetensors")
         assert wait_for(lambda: list((build / "train" / "state").glob("*/ckpt-*.safetensors")), 900), \
             "training never checkpointed"
         smk.kill()
@@ -490,7 +502,152 @@ def test_killing_snakemake_alone_ends_its_jobs_server_and_trainer(tmp_path):
         assert steps == sorted(set(steps)), "metric lines written twice (two trainers on one folder)"
         assert not [str(p) for p in build.rglob("*.tmp")], "a temp file survived the rerun"
     finally:
-        for pid in _processes_running(str(wd)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        stop_servers(run_dir)
+        _end_everything_in(wd)
+
+
+# ---------------------------------------------------------------- the kill matrix: every stage, two ways
+def _valid(path: Path, build: Path) -> None:
+    """Raise unless the file under a final name is complete: it parses as what its name says."""
+    import safetensors.torch
+
+    from eagle3build.shards import read_counts, read_tokens
+
+    rel = path.relative_to(build).parts
+    if path.suffix == ".json":
+        json.loads(path.read_text())
+    elif path.suffix == ".jsonl":
+        lines = path.read_text().splitlines()
+        if rel[:2] == ("train", "state") and lines and not path.read_text().endswith("\n"):
+            lines = lines[:-1]  # the trainer's append-only log: a torn last line is dropped on resume
+        for line in lines:
+            json.loads(line)
+    elif path.suffix == ".safetensors":
+        readers = {"hidden": read_hidden, "tokens": read_tokens, "counts": read_counts}
+        readers.get(rel[1] if rel[0] == "vocab" else rel[0], safetensors.torch.load_file)(path)
+    elif path.suffix == ".png":
+        from PIL import Image
+
+        with Image.open(path) as image:
+            image.verify()
+
+
+def _check_final_files(build: Path) -> list[str]:
+    """Every file under a final name in the build parses; returns the temp files (dot-named *.tmp*)."""
+    temps_left = []
+    for path in sorted(p for p in build.rglob("*") if p.is_file()):
+        if path.name.startswith(".") and ".tmp" in path.name or path.name.endswith(".tmp"):
+            temps_left.append(str(path.relative_to(build)))
+            continue
+        try:
+            _valid(path, build)
+        except Exception as e:  # noqa: BLE001 (any failure to read it is the finding)
+            raise AssertionError(f"{path.relative_to(build)} is incomplete under its final name: {e!r}") from e
+    return temps_left
+
+
+def _kill_matrix_config(wd: Path) -> None:
+    from conftest import SHARED, STORIES
+    from workflow_util import write_config
+
+    questions = ("Tell me a story.", "Who is Lily?")
+    (wd / "q.jsonl").write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in questions))
+    write_config(wd, {
+        "output_root": "build",
+        "target": {"model": str(STORIES), "chat_template": str(ROOT / "tests" / "data" / "chat_template.jinja")},
+        "datasets": [{"name": "alpaca", "path": str(SHARED / "assets" / "data" / "train" / "alpaca_en_demo.json"),
+                      "max_samples": 16, "regenerate": True}],
+        "prepare": {"max_length": 96, "shard_size": 8},  # two shards: two jobs per shard stage
+        "regenerate": {"max_new_tokens": 8},
+        "extract": {"batch_tokens": 4096, "server_idle_s": 600},  # only its workflow's end may stop it here
+        "vocab": {"draft_vocab_size": 64},
+        "train": {"epochs": 20, "batch_tokens": 512, "lr": 1e-3, "gpus": 0, "checkpoint_every": 4},
+        "evaluate": {"sets": [{"name": "q", "path": "q.jsonl"}], "k": [1, 3], "max_new_tokens": 8},
+    })
+
+
+def _log_says(text: str, log: str):
+    """A job's log, written since `t0` (its earlier runs' logs say it too), has `text`."""
+    return lambda build, t0: any(p.stat().st_mtime >= t0 and text in p.read_text(errors="replace")
+                                 for p in build.glob(f"logs/{log}") if p.is_file())
+
+
+SHARDS = ("00000", "00001")
+# Where the run is killed, in build order: (the job's script, its rules, the outputs the run is asked for, when
+# the job is far enough in to be killed or None, how). Each stage is killed twice: Snakemake alone with SIGKILL
+# on its first run, its process group with SIGINT or SIGTERM on the next (--forcerun: the first kill's rerun
+# may already have finished the stage elsewhere). vocab: its per-shard counts, then the merge.
+KILLS = [
+    ("split", ["split_0"], [f"data/alpaca/{s}.jsonl" for s in SHARDS], None),
+    ("regenerate", ["regenerate"], [f"regen/alpaca/{s}.jsonl" for s in SHARDS],
+     _log_says("Loading weights", "regen/alpaca/*.log")),
+    ("tokens", ["tokens_regenerated"], [f"tokens/alpaca/{s}.safetensors" for s in SHARDS], None),
+    ("extract", ["extract"], [f"hidden/alpaca/{s}.safetensors" for s in SHARDS],
+     lambda build, t0: (build / ".run" / "hf-server-0.json").exists()),  # its server is up
+    ("vocab_count", ["vocab_count"], ["vocab/mapping.safetensors"], None),
+    ("vocab", ["vocab"], ["vocab/mapping.safetensors"], None),
+    ("train", ["train"], ["train/draft.safetensors"], _log_says("[train]", "train.log")),  # past its lock
+    ("export", ["export"], ["export/eagle3/config.json"], None),
+    ("evaluate", ["evaluate"], ["eval/q.json"], _log_says("Loading weights", "evaluate/q.log")),
+]
+
+
+def _kill_during(wd: Path, kill: tuple, how: str, force: bool) -> None:
+    """Run the stage's targets, wait until one of its jobs is running (and far enough in), then kill: `kill9`
+    the Snakemake process alone (a crash), or a signal to its whole process group (Ctrl-C, a terminal's
+    hangup or a scheduler's SIGTERM). Nothing of the run may live on; every final-named file must be whole."""
+    script, rules, outputs, far_enough = kill
+    stage = script
+    build = wd / "build"
+    args = ["build/" + o for o in outputs] + (["--forcerun", *rules] if force else [])
+    t0 = time.time() - 1  # mtimes are coarser than time.time()
+    smk = _start_snakemake(wd, *args, cores=2)
+    marker = str(wd / "scripts" / f"{script}.py")
+    try:
+        caught = wait_for(lambda: smk.poll() is not None or (
+            _processes_running(marker) and (far_enough is None or far_enough(build, t0))), 300, poll_s=0.02)
+        assert caught and smk.poll() is None, f"{stage}: no job of the stage was seen running ({how})"
+        if how == "kill9":
+            smk.kill()
+        else:
+            os.killpg(smk.pid, getattr(signal, how))
+        smk.wait(timeout=120)
+        left = wait_for(lambda: not _processes_running(str(wd)), 45)
+        assert left, f"{stage} ({how}): outlived the workflow: " + "; ".join(
+            Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")[:200]
+            for p in _processes_running(str(wd)))
+    finally:
+        if smk.poll() is None:
+            smk.kill()
+            smk.wait()
+    _check_final_files(build)
+
+
+@pytest.mark.slow
+def test_a_kill_at_every_stage_leaves_whole_files_no_temps_and_no_process(tmp_path):
+    """The build is run stage by stage (split, regenerate with the HF backend, tokens, extract, vocab, train,
+    export, evaluate) and killed while a job of each stage runs: Snakemake alone with SIGKILL (a crash), and
+    its process group with SIGINT or SIGTERM (Ctrl-C, a scheduler). After each kill no process of the run
+    lives on (job, extraction server, trainer) and every file under a final name parses; after `--unlock`
+    (a SIGKILL leaves Snakemake's lock; a signal must not) the next run goes on. At the end the build
+    completes, plans nothing more and holds no temp file."""
+    from conftest import STORIES
+    from workflow_util import copy_workflow, planned_jobs, snakemake
+
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    wd = copy_workflow(tmp_path / "wf")
+    _kill_matrix_config(wd)
+    build = wd / "build"
+    try:
+        for i, kill in enumerate(KILLS):
+            if kill[0] != "vocab":  # vocab_count's SIGKILL and vocab's signal: one stage
+                _kill_during(wd, kill, "kill9", force=False)
+                snakemake(wd, "--unlock")
+            if kill[0] != "vocab_count":
+                _kill_during(wd, kill, ("SIGINT", "SIGTERM")[i % 2], force=kill[0] != "vocab")
+        snakemake(wd, timeout=600)
+        assert _check_final_files(build) == [], "a temp file survived the rerun"
+        assert planned_jobs(wd) == {}, "the build is not complete after the reruns"
+        assert json.loads((build / "eval" / "q.json").read_text())
+    finally:
+        _end_everything_in(wd)

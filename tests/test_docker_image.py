@@ -1,8 +1,9 @@
 """The image for real, on the CPU stand-in for the vLLM image (docker/standin/): built by `make docker-build`
 through the Dockerfile's own build args, the demo run inside it by `make docker-run` as the calling user
 (non-root) with the work tree bind-mounted, interrupted and resumed; then a second run, `make
-docker-dry-run` and a host `make dry-run` given the image's EAGLE3_IMAGE all plan nothing (one `.snakemake/`
-shared by host and container), and every file the container wrote belongs to the caller. The pin guard stops a build whose
+docker-dry-run` and a host `make dry-run` (naming no image, or the image's) all plan nothing (one `.snakemake/`
+shared by host and container) while a host naming another image plans the extractions again, and every
+file the container wrote belongs to the caller. The pin guard stops a build whose
 requirements contradict the engine's, naming the package.
 
 Runs where a Docker engine answers (`make docker-standin` sets one up on a Debian machine); skips, with
@@ -80,10 +81,12 @@ def make_vars(pin: str) -> list[str]:
             *([f"PIP_CERT_FILE={CERT}"] if Path(CERT).exists() else [])]  # fmt: skip
 
 
-def make(tree: Path, *args: str, caller: bool = False, timeout: float = 1800, popen: bool = False, **kw):
-    """make in `tree`; with `caller`, as the non-root caller (when run as root) holding the socket's group."""
+def make(tree: Path, *args: str, caller: bool = False, timeout: float = 1800, popen: bool = False,
+         env: dict | None = None, **kw):
+    """make in `tree` (in `env`, else this environment); with `caller`, as the non-root caller (when run as
+    root) holding the socket's group."""
     cmd = ["make", "--no-print-directory", *args]
-    env = {**os.environ}
+    env = {**(os.environ if env is None else env)}
     if caller and os.getuid() == 0:
         sock_gid = os.stat("/var/run/docker.sock").st_gid
         cmd = ["setpriv", f"--reuid={CALLER[0]}", f"--regid={CALLER[1]}", f"--groups={sock_gid}", *cmd]
@@ -175,14 +178,18 @@ def test_demo_in_the_container_interrupted_resumed_and_shared_with_the_host(pin,
                    if p.lstat().st_uid != CALLER[0]]  # fmt: skip
         assert not foreign, foreign[:10]
 
-    # The host's Python reads the container's records at the same path: told the engine image the hidden
-    # states came from, it plans nothing.
-    host = make(tree, "dry-run", f"EAGLE3_IMAGE={pin}")
-    assert host.returncode == 0 and nothing_planned(host.stdout + host.stderr), (host.stdout + host.stderr)[-3000:]
-    # Not told, the host is another engine: the extract rule's `image` param differs ("" against the pin),
-    # so exactly the extractions and what follows them would run again (docs/PRODUCTION.md, EAGLE3_IMAGE).
-    plain = make(tree, "dry-run")
+    # The host's Python reads the container's records at the same path. Naming no image (EAGLE3_IMAGE unset,
+    # as make leaves it), it claims no engine and takes the image each hidden shard records: it plans nothing.
+    host_env = {k: v for k, v in os.environ.items() if k != "EAGLE3_IMAGE"}
+    plain = make(tree, "dry-run", env=host_env)
     text = plain.stdout + plain.stderr
-    assert plain.returncode == 0, text[-3000:]
+    assert plain.returncode == 0 and nothing_planned(text), text[-3000:]
+    same = make(tree, "dry-run", f"EAGLE3_IMAGE={pin}", env=host_env)
+    assert same.returncode == 0 and nothing_planned(same.stdout + same.stderr), (same.stdout + same.stderr)[-3000:]
+    # Naming another image, the host is another engine: the extract rule's `image` param differs, so exactly
+    # the extractions and what follows them would run again (docs/PRODUCTION.md, EAGLE3_IMAGE).
+    other = make(tree, "dry-run", "EAGLE3_IMAGE=reg.local/other-vllm:v1", env=host_env)
+    text = other.stdout + other.stderr
+    assert other.returncode == 0, text[-3000:]
     assert job_stats(text) == {"extract": 3, "train": 1, "export": 1, "evaluate": 1, "all": 1}, text[-3000:]
     assert re.search(r"params have changed since last execution:\n\s+extract\n", text), text[-2000:]

@@ -173,6 +173,9 @@ class OracleDraft(torch.nn.Module):
         cache = history.float()[None, None, :, None]
         return torch.stack(out)[None], (cache, cache)
 
+    def feedback(self, pre_norm_out):  # what the next draft step reads (a plain head: the output itself)
+        return pre_norm_out
+
     def logits(self, pre_norm_out):
         return pre_norm_out
 
@@ -401,3 +404,30 @@ def test_evaluate_end_to_end_from_an_exported_checkpoint(tmp_path, stories, toke
         stories_result["k"]["3"]["mean_acceptance_length"]
         > stories_result["k"]["1"]["mean_acceptance_length"]
     )
+
+
+def test_batched_reference_decodes_give_the_same_acceptance_as_batch_one(stories, tokenizer):
+    """evaluate.sequential_samples: the questions past the first N are decoded in left-padded batches
+    (reference.py) — in fp32 the same decodes and so the same acceptance as one question at a time, with
+    later turns asked after each question's own answer, and too-long turns skipped the same way."""
+    from eagle3build.evaluate.hf import batched_references
+
+    long_turn = " ".join(["Lily saw a big red ball in the park."] * 60)
+    questions = [
+        {"id": 1, "category": "story", "turns": [STORY_PROMPTS[0], "What happened next?"]},
+        {"id": 2, "category": "story", "turns": [STORY_PROMPTS[1], "And then?", "The end?"]},
+        {"id": 3, "category": "short", "turns": [STORY_PROMPTS[2]]},
+        {"id": 4, "category": "short", "turns": [long_turn, "and then?"]},
+    ]
+    draft = random_draft(seed=1, draft_vocab_size=512)
+    one_by_one = evaluate_set(stories, draft, tokenizer, questions, [1, 3], 24, [])
+    references = batched_references(stories, tokenizer, questions, [1, 3], 24, sequential=1, batch_size=2)
+    assert sorted(references) == [(1, 0), (1, 1), (1, 2), (2, 0)]  # question 0 runs at batch 1; 3 is too long
+    batched = evaluate_set(stories, draft, tokenizer, questions, [1, 3], 24, [3], references)
+    assert batched["turns"] == one_by_one["turns"] == 6
+    assert batched["turns_skipped_too_long"] == one_by_one["turns_skipped_too_long"] == 2
+    for k in ("1", "3"):
+        for key in ("drafts", "accepted", "mean_acceptance_length"):
+            assert batched["k"][k][key] == one_by_one["k"][k][key]
+    assert batched["k"]["3"]["mismatches"] == 0 and batched["k"]["3"]["simulation_agrees"] == 2  # question 0 only
+    assert batched["baseline"]["tokens"] < one_by_one["baseline"]["tokens"]  # only batch-1 turns are timed

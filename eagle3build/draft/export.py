@@ -11,6 +11,11 @@ is the residual stream entering layer L (HF's output_hidden_states[L]):
 - vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` and uses the ids as they are;
 - SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` (absent: its default (2, N//2, N-3))
   and adds 1 to each ("takes the output of the (i-1)th layer"), so that key holds L - 1.
+The head variants (DraftConfig.norm_before_residual, norm_before_fc, fc_norm, norm_output) are written as
+the top-level config keys of those names, which vLLM (0.25.0: models/llama_eagle3.py, and its speculators
+config reader) reads; their weights are `input_norm.weight` [3*Ht] and `fc_norm.{0,1,2}.weight` [Ht],
+the names vLLM loads (its loader skips `input_norm.*` unless norm_before_fc is set). SGLang's EAGLE-3
+head ignores these keys: serve a variant with vLLM.
 The target is recorded as the user configured it (a hub id, or the path as written, relative or not):
 never this machine's absolute path, which means nothing where the checkpoint is served.
 """
@@ -48,6 +53,14 @@ WEIGHT_NAMES = (
     "norm.weight",
     "lm_head.weight",
 )
+HEAD_VARIANTS = DraftConfig.VARIANTS
+
+
+def weight_names(c: DraftConfig) -> tuple[str, ...]:
+    """The trained tensors an export of head `c` holds: the plain names, plus its variant's norms."""
+    extra = ("input_norm.weight",) if c.norm_before_fc else ()
+    extra += tuple(f"fc_norm.{i}.weight" for i in range(3)) if c.fc_norm else ()
+    return WEIGHT_NAMES + extra
 
 
 def eagle3_config(c: DraftConfig, target_path: str | None = None) -> dict:
@@ -72,7 +85,7 @@ def eagle3_config(c: DraftConfig, target_path: str | None = None) -> dict:
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),  # vLLM: as they are
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids]},  # SGLang: +1
-        "norm_before_residual": c.norm_before_residual,
+        **{key: getattr(c, key) for key in HEAD_VARIANTS},  # vLLM: top-level, false when absent
         "torch_dtype": "bfloat16",
         # ours (engines ignore unknown config keys; they refuse unknown tensor names only)
         "eagle3build": {
@@ -85,7 +98,8 @@ def eagle3_config(c: DraftConfig, target_path: str | None = None) -> dict:
 
 
 def speculators_config(c: DraftConfig, target_path: str, target_config: dict) -> dict:
-    """speculators' eagle3 format; norm_before_residual is written because vLLM defaults it to true there."""
+    """speculators' eagle3 format; the variant keys are written because vLLM defaults norm_before_residual
+    to true there."""
     layer = {
         k: v
         for k, v in eagle3_config(c).items()
@@ -97,7 +111,7 @@ def speculators_config(c: DraftConfig, target_path: str, target_config: dict) ->
             "eagle_aux_hidden_state_layer_ids",
             "eagle_config",
             "eagle3build",
-            "norm_before_residual",
+            *HEAD_VARIANTS,
             "torch_dtype",
         )
     }
@@ -108,7 +122,7 @@ def speculators_config(c: DraftConfig, target_path: str, target_config: dict) ->
         "speculators_version": "0.9.0",
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size,
-        "norm_before_residual": c.norm_before_residual,
+        **{key: getattr(c, key) for key in HEAD_VARIANTS},
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "speculators_config": {
@@ -175,11 +189,12 @@ def export(
             f"{target_path}: vocab/hidden size {target_config['vocab_size']}/{target_config['hidden_size']} "
             f"!= the draft's {c.vocab_size}/{c.target_hidden_size}; export against the training target"
         )
-    missing = [n for n in WEIGHT_NAMES if n not in tensors]
+    names = weight_names(c)
+    missing = [n for n in names if n not in tensors]
     if missing:
         raise UserError(f"{weights_path}: missing tensors {missing}; rerun the train stage")
-    _check_finite(weights_path, {n: tensors[n] for n in WEIGHT_NAMES})
-    out = {n: tensors[n].to(dtype) for n in WEIGHT_NAMES}
+    _check_finite(weights_path, {n: tensors[n] for n in names})
+    out = {n: tensors[n].to(dtype) for n in names}
     _check_finite(weights_path, out, f"export.dtype {p['dtype']}")
     if c.draft_vocab_size != c.vocab_size:
         out["d2t"] = d2t
@@ -229,6 +244,11 @@ def _draft_config(config: dict, where: Path) -> DraftConfig:
             target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
             aux_layer_ids=config.get("eagle_aux_hidden_state_layer_ids", []),
             norm_before_residual=config.get("norm_before_residual", False),
+            # as vLLM reads them: norm_before_fc from eagle_config first, then the top level
+            norm_before_fc=bool((config.get("eagle_config") or {}).get(
+                "norm_before_fc", config.get("norm_before_fc", False))),
+            fc_norm=bool(config.get("fc_norm", False)),
+            norm_output=bool(config.get("norm_output", False)),
         )
     except KeyError as e:
         raise UserError(f"{where}: key {e} is missing; not an EAGLE-3 draft config") from e

@@ -1,7 +1,8 @@
 """The EAGLE-3 draft head: one Llama decoder layer fed by the target's fused hidden states.
 
 Parameter names are exactly those of the EAGLE-3 checkpoint that vLLM and SGLang load
-(`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`/`t2d`), so exporting is a rename-free copy.
+(`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`/`t2d`; the EAGLE-3.1 variants' `input_norm` and
+`fc_norm.{0,1,2}`), so exporting is a rename-free copy.
 
 The decoder layer is split into `qkv` (norms, projections, RoPE) and `finish` (attention output
 projection, residual, MLP) so that training-time test (eagle3build/ttt/forward.py) can run its own attention pattern
@@ -36,8 +37,14 @@ class DraftConfig:
     draft_vocab_size: int  # K
     target_hidden_size: int
     aux_layer_ids: list[int] = field(default_factory=list)
-    norm_before_residual: bool = False
+    # Head variants, each under the config.json key vLLM (>= 0.25) reads; all off = plain EAGLE-3.
+    norm_before_residual: bool = False  # the layer's residual is the hidden_norm'ed input, not the raw one
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`, [3*Ht]) over the concatenated aux states
+    fc_norm: bool = False  # one RMSNorm per aux state (`fc_norm.{0,1,2}`, [Ht] each) before fc
+    norm_output: bool = False  # feed the post-norm output (`norm`) back to the next draft step
 
+    # The head variants (config.json keys of these names; eagle3build.draft.export)
+    VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
     # Draft-shape keys a user may override; everything else follows from the target and the mapping.
     OVERRIDABLE = (
         "num_attention_heads",
@@ -48,6 +55,9 @@ class DraftConfig:
         "max_position_embeddings",
         "norm_before_residual",
         "hidden_size",
+        "norm_before_fc",
+        "fc_norm",
+        "norm_output",
     )
 
     @classmethod
@@ -93,6 +103,11 @@ class DraftConfig:
                 "train.num_key_value_heads",
                 f"{config.num_key_value_heads} does not divide "
                 f"num_attention_heads {config.num_attention_heads}",
+            )
+        if config.norm_before_fc and config.fc_norm:
+            # vLLM would apply both in a row; speculators refuses the pair: one norm before fc is the variant
+            raise ConfigError(
+                "train.fc_norm", "norm_before_fc and fc_norm are two placements of one norm; enable one of them"
             )
         if len(config.aux_layer_ids) != 3:
             raise ConfigError(
@@ -175,6 +190,12 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        # Registered only when on (norms draw no random numbers): a plain head has exactly the plain
+        # parameters, so its initialisation, optimiser state and export are those of plain EAGLE-3.
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3))
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -234,8 +255,20 @@ class Eagle3Draft(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, 3*Ht] (low, mid, high layers concatenated) -> the layer's input hidden [B, T, H] (`fc`)."""
+        """aux [B, T, 3*Ht] (low, mid, high layers concatenated) -> the layer's input hidden [B, T, H] (`fc`),
+        after `input_norm` (norm_before_fc) or the per-layer `fc_norm`s where the head has them."""
+        c = self.config
+        if c.norm_before_fc:
+            aux = self.input_norm(aux)
+        if c.fc_norm:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], dim=-1)
         return self.fc(aux)
+
+    def feedback(self, pre_norm_out: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads as its hidden input: the layer's pre-norm output (plain EAGLE-3),
+        or with norm_output the final `norm` of it, the same tensor the lm_head reads (EAGLE-3.1; vLLM's
+        `aux_output`). The lm_head always reads `logits(pre_norm_out)`."""
+        return self.norm(pre_norm_out) if self.config.norm_output else pre_norm_out
 
     def fused_weights(self, dtype: torch.dtype | None = None) -> FusedWeights:
         """The projection weights for a training step: q/k/v and gate/up concatenated, all optionally

@@ -49,8 +49,9 @@ def chain_proposals(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor,
         attn = probs[..., :T].to(q.dtype) @ values[0]
         for j, vj in enumerate(values[1:]):
             attn = attn + probs[..., T + j : T + j + 1].to(q.dtype) * vj
-        hidden = draft.finish(attn, residual)
-        out.append(draft.draft_to_target(draft.logits(hidden)[0].argmax(-1)))
+        output = draft.finish(attn, residual)
+        out.append(draft.draft_to_target(draft.logits(output)[0].argmax(-1)))
+        hidden = draft.feedback(output)  # what the next step reads (normed under norm_output)
     return torch.stack(out)
 
 

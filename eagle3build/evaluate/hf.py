@@ -5,8 +5,9 @@ One decoding round (greedy, batch 1, k draft tokens):
 1. The draft consumes the positions the target has verified since the last round: at position t its
    input is (token x[t+1], fc(aux states of the target at t)). Its output at the last such position
    proposes the first draft token.
-2. It drafts k tokens autoregressively: each step feeds its own pre-norm output as the hidden state and
-   the token it just proposed, one RoPE position further.
+2. It drafts k tokens autoregressively: each step feeds its own output as the hidden state (pre-norm;
+   normed for a norm_output head, Eagle3Draft.feedback) and the token it just proposed, one RoPE
+   position further.
 3. The target verifies [last emitted token, d1..dk] in one forward (KV cache, hidden states on) and
    accepts the longest prefix of drafts equal to its own greedy tokens, then emits its own next token
    (the "bonus"). The target's cache is cropped to the accepted positions; the draft's cache keeps
@@ -16,6 +17,10 @@ One decoding round (greedy, batch 1, k draft tokens):
 The output is therefore exactly the target's greedy decode ("lossless"): `evaluate` checks that on
 every turn and reports mismatches (in bf16 a verify forward over k+1 tokens can round differently
 from a 1-token decode step, so a rare mismatch there is numerics, not a bug).
+
+At a temperature > 0 (evaluate.temperatures) the same loop samples: the draft samples its proposals and
+the verifier applies the speculative-sampling rule (sampling.Sampled), whose output is distributed as the
+target's own samples. Those decodes run step by step for each sequential k (`evaluate_sampled_set`).
 
 Metrics follow vLLM's definitions: a draft = one verification of k proposed tokens; mean acceptance
 length tau = 1 + accepted / drafts (the 1 is the bonus token); acceptance rate at position i =
@@ -40,6 +45,9 @@ from eagle3build.data.chat import load_target_tokenizer
 from eagle3build.data.formats import iter_jsonl
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.evaluate.acceptance import acceptance_for_sequence
+from eagle3build.evaluate.reference import reference_decodes
+from eagle3build.evaluate.sampling import Greedy, Sampled, rule_for
+from eagle3build.evaluate.settings import decode_seed, sampled_temperatures, temperature_key
 from eagle3build.hf_target import eos_token_ids, load_target_model, resolve_device, target_path
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,15 +119,18 @@ def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    """Plain greedy decoding with a KV cache: the reference output and the speed baseline."""
+def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
+                    rule: Greedy | Sampled | None = None) -> list[int]:
+    """Plain decoding with a KV cache, greedy (or sampled by `rule`): the reference output and the speed
+    baseline."""
+    rule = rule or Greedy()
     device = next(target.parameters()).device
     out = target(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
-    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    cache, token = out.past_key_values, rule.next_token(out.logits[0, -1])
     tokens = [token]
     while len(tokens) < max_new_tokens and token not in eos:
         out = target(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
-        token = int(out.logits[0, -1].argmax())
+        token = rule.next_token(out.logits[0, -1])
         tokens.append(token)
     return tokens
 
@@ -131,15 +142,18 @@ def _aux_states(draft, hidden_states: tuple, positions: slice) -> torch.Tensor:
 
 @torch.inference_mode()
 def speculative_generate(
-    target, draft, prompt_ids: list[int], k: int, max_new_tokens: int, eos: set[int]
+    target, draft, prompt_ids: list[int], k: int, max_new_tokens: int, eos: set[int],
+    rule: Greedy | Sampled | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Chain speculative decoding (greedy). Returns (tokens, accepted count of every verification)."""
+    """Chain speculative decoding, greedy (or speculative sampling: `rule`, sampling.py). Returns (tokens,
+    accepted count of every verification)."""
+    rule = rule or Greedy()
     device = next(target.parameters()).device
     out = target(
         input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, output_hidden_states=True
     )
     target_cache = out.past_key_values
-    sequence = list(prompt_ids) + [int(out.logits[0, -1].argmax())]  # positions 0 .. pos
+    sequence = list(prompt_ids) + [rule.next_token(out.logits[0, -1])]  # positions 0 .. pos
     pos = len(prompt_ids)  # position of the newest token, not yet in the target's cache
     # target aux states of the positions the draft has not consumed yet (consumed_to .. pos-1)
     new_aux = _aux_states(draft, out.hidden_states, slice(None))
@@ -158,26 +172,24 @@ def speculative_generate(
         # 2. Draft k tokens. Drafted positions go into a scratch cache that is dropped after this round
         #    (= cropping the draft's cache back to `consumed_to`).
         hidden, scratch_cache = hidden[:, -1:], draft_cache
-        proposals = []
+        proposals, drafted = [], []
         for i in range(k):
-            token = draft.draft_to_target(draft.logits(hidden).argmax(-1))  # [1, 1] target ids
+            token, proposal = rule.propose(draft, draft.logits(hidden))  # [1, 1] target ids
             proposals.append(int(token))
+            drafted.append(proposal)
             if i + 1 < k:
                 position = torch.tensor([[pos + i]], device=device)
-                hidden, scratch_cache = draft.layer(token, hidden, position, scratch_cache)
-        # 3. Verify [x[pos], d1..dk] at positions pos..pos+k; target_greedy[i] follows verify token i.
+                hidden, scratch_cache = draft.layer(token, draft.feedback(hidden), position, scratch_cache)
+        # 3. Verify [x[pos], d1..dk] at positions pos..pos+k; logits[i] follow verify token i.
         verify = torch.tensor([[sequence[pos]] + proposals], device=device)
         out = target(
             input_ids=verify, past_key_values=target_cache, use_cache=True, output_hidden_states=True
         )
-        target_greedy = out.logits[0].argmax(-1).tolist()
-        accepted = 0
-        while accepted < k and proposals[accepted] == target_greedy[accepted]:
-            accepted += 1
+        accepted, next_token = rule.verify(proposals, drafted, out.logits[0])
         accepts.append(accepted)
         crop_cache(target_cache, pos + accepted + 1)  # keep x[pos] and the accepted drafts
         new_aux = _aux_states(draft, out.hidden_states, slice(0, accepted + 1))
-        new_tokens = proposals[:accepted] + [target_greedy[accepted]]
+        new_tokens = proposals[:accepted] + [next_token]
         sequence += new_tokens
         pos += accepted + 1
         if eos.intersection(new_tokens):
@@ -244,14 +256,50 @@ def _simulated_accepts(target, draft, prompt: list[int], extended: list[int], st
     return acceptance_for_sequence(draft, tokens, aux, len(prompt), ks, stop_len)
 
 
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation so far, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def ask(tokenizer, messages: list[dict], user_turn: str, room: int, max_positions: int) -> list[int] | None:
+    """Append the user's turn to `messages`; the prompt it makes, or None when that leaves fewer than
+    `room` of the target's `max_positions` (the answer and the drafts must fit after it)."""
+    messages.append({"role": "user", "content": user_turn})
+    prompt = chat_prompt(tokenizer, messages)
+    return None if len(prompt) + room > max_positions else prompt
+
+
+def batched_references(target, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
+                       sequential: int, batch_size: int) -> dict[tuple[int, int], list[int]]:
+    """The greedy decodes of questions[sequential:] (reference.py), keyed by (index in `questions`, turn)."""
+    eos = set(eos_token_ids(target, tokenizer))
+    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    decodes = reference_decodes(
+        target, questions[sequential:],
+        chat_prompt=lambda messages: chat_prompt(tokenizer, messages),
+        answer_text=lambda extended: answer_text(tokenizer, _finish(extended, max_new_tokens, eos), eos),
+        fits=lambda prompt: len(prompt) + max_new_tokens + 2 * max(ks) + 2 <= max_positions,
+        max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size,
+    )
+    return {(sequential + qi, turn): decode for (qi, turn), decode in decodes.items()}
+
+
+def answer_text(tokenizer, reference: list[int], eos: set[int]) -> str:
+    """The answer a turn's decode gives the conversation (the next turn is asked after it)."""
+    return tokenizer.decode([t for t in reference if t not in eos], skip_special_tokens=True)
+
+
 def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
-                 sequential_ks: list[int] | None = None) -> dict:
+                 sequential_ks: list[int] | None = None, references: dict | None = None) -> dict:
     """Run every question's turns (turn n asked after the target's own answer to turn n-1).
 
     Acceptance for every k comes from one teacher-forced pass over the target's greedy decode
     (exact for greedy chain decoding, see acceptance.py); the sequential speculative loop runs for
     `sequential_ks` (default: all) to time it, to check it is lossless and that it accepts exactly
-    what the pass predicted (`simulation_agrees`).
+    what the pass predicted (`simulation_agrees`). `references`: {(question index, turn index): greedy
+    decode} made beforehand in batches (reference.py); those turns are neither timed nor decoded sequentially.
     """
     device = next(target.parameters()).device
     eos = set(eos_token_ids(target, tokenizer))
@@ -265,25 +313,27 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
     agrees = dict.fromkeys(sequential_ks, 0)
     base_tokens, base_generated, base_seconds, turns_done, turns_skipped = 0, 0, 0.0, 0, 0
 
-    for question in tqdm(questions, desc="evaluate", unit="question", disable=None):
+    for qi, question in enumerate(tqdm(questions, desc="evaluate", unit="question", disable=None)):
         category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
         messages: list[dict] = []
         for turn_no, user_turn in enumerate(question["turns"]):
-            messages.append({"role": "user", "content": user_turn})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(prompt) + max_new_tokens + 2 * max(ks) + 2 > max_positions:
+            prompt = ask(tokenizer, messages, user_turn, max_new_tokens + 2 * max(ks) + 2, max_positions)
+            if prompt is None:
                 turns_skipped += len(question["turns"]) - turn_no  # later turns need this answer
                 break
-            # The reference decode runs max(k) tokens further: a last round's verifier sees them too.
-            extended, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens + max(ks) + 1, eos)
-            reference = _finish(extended, max_new_tokens, eos)
-            base_tokens, base_generated = base_tokens + len(reference), base_generated + len(extended)
-            base_seconds += seconds
+            batched = references is not None and (qi, turn_no) in references
+            if batched:
+                extended = references[(qi, turn_no)]
+                reference = _finish(extended, max_new_tokens, eos)
+            else:  # the reference decode runs max(k) tokens further: a last round's verifier sees them too
+                extended, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens + max(ks) + 1, eos)
+                reference = _finish(extended, max_new_tokens, eos)
+                base_tokens, base_generated = base_tokens + len(reference), base_generated + len(extended)
+                base_seconds += seconds
             simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference), ks)
             for k in ks:
                 accepts = simulated[k]
-                if k in sequential_ks:
+                if k in sequential_ks and not batched:
                     (tokens, accepts), seconds = _timed(
                         device, speculative_generate, target, draft, prompt, k, max_new_tokens, eos
                     )
@@ -295,8 +345,7 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
                     overall[k].add(accepted)
                     category[k].add(accepted)
             turns_done += 1
-            answer = tokenizer.decode([t for t in reference if t not in eos], skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": answer})
+            messages.append({"role": "assistant", "content": answer_text(tokenizer, reference, eos)})
 
     baseline_tps = base_generated / base_seconds if base_seconds else 0.0
     per_k = {}
@@ -314,6 +363,70 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
         "turns": turns_done,
         "turns_skipped_too_long": turns_skipped,
         "sequential_k": sequential_ks,
+        "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
+        "k": per_k,
+    }
+
+
+def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
+                         temperature: float, sampling: dict) -> dict:
+    """Acceptance at temperature > 0: every turn decoded step by step with speculative sampling for each k
+    (sampling.Sampled; the teacher-forced pass of acceptance.py is exact only for greedy decoding).
+
+    The target alone samples each turn first (the baseline, and the answer the next turn is asked after,
+    so every k sees the same prompts); each decode draws from a generator seeded by decode_seed(seed,
+    question, turn, k), so the report is reproducible and one k's draws do not depend on the others.
+    Outputs are sampled, so they are not compared (no `mismatches`): losslessness is the rule's, by test.
+    `sampling`: evaluate.top_p, seed and draft_sample_method.
+    """
+    device = next(target.parameters()).device
+    eos = set(eos_token_ids(target, tokenizer))
+    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
+    overall = {k: AcceptanceStats(k) for k in ks}
+    by_category: dict[str, dict[int, AcceptanceStats]] = {}
+    spec_tokens, spec_seconds = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0.0)
+    base_tokens, base_seconds, turns_done, turns_skipped = 0, 0.0, 0, 0
+
+    def rule(*parts):
+        seed = decode_seed(sampling["seed"], *parts)
+        return rule_for(temperature, sampling["top_p"], seed, sampling["draft_sample_method"], device)
+
+    for n, question in enumerate(tqdm(questions, desc=f"evaluate T={temperature}", unit="question",
+                                      disable=None)):
+        category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
+        messages: list[dict] = []
+        for turn_no, user_turn in enumerate(question["turns"]):
+            prompt = ask(tokenizer, messages, user_turn, max_new_tokens + 2 * max(ks) + 2, max_positions)
+            if prompt is None:  # too long, and so is every later turn
+                turns_skipped += len(question["turns"]) - turn_no
+                break
+            answer, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens, eos,
+                                     rule(n, turn_no, "target"))
+            base_tokens, base_seconds = base_tokens + len(answer), base_seconds + seconds
+            for k in ks:
+                (tokens, accepts), seconds = _timed(device, speculative_generate, target, draft, prompt, k,
+                                                    max_new_tokens, eos, rule(n, turn_no, k))
+                spec_tokens[k] += len(tokens)
+                spec_seconds[k] += seconds
+                for accepted in accepts:
+                    overall[k].add(accepted)
+                    category[k].add(accepted)
+            turns_done += 1
+            text = tokenizer.decode([t for t in answer if t not in eos], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": text})
+
+    baseline_tps = base_tokens / base_seconds if base_seconds else 0.0
+    per_k = {}
+    for k in ks:
+        tps = spec_tokens[k] / spec_seconds[k] if spec_seconds[k] else 0.0
+        per_k[str(k)] = {**overall[k].summary(), "tokens": spec_tokens[k], "seconds": spec_seconds[k],
+                         "tokens_per_s": tps, "speedup": tps / baseline_tps if baseline_tps else 0.0,
+                         "per_category": {name: stats[k].summary() for name, stats in sorted(by_category.items())}}
+    return {
+        "temperature": temperature,
+        **sampling,
+        "turns": turns_done,
+        "turns_skipped_too_long": turns_skipped,
         "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
         "k": per_k,
     }
@@ -372,6 +485,13 @@ def evaluate(
     `params`: keys of the `evaluate` config section (unset keys take the schema's defaults)."""
     params = resolve_section("evaluate", params)
     ks = sorted(set(params["k"]))
+    temperatures = sampled_temperatures(params)
+    sampled_ks = ks if params["sequential_k"] is None else [k for k in params["sequential_k"] if k in ks]
+    if temperatures and not sampled_ks:  # T > 0 decodes the sequential k step by step
+        raise ConfigError("evaluate.sequential_k", f"{params['sequential_k']} has no k of evaluate.k {ks}: "
+                                                   "temperatures > 0 decode those k step by step")
+    sampling = {"top_p": float(params["top_p"]), "seed": int(params["seed"]),
+                "draft_sample_method": params["draft_sample_method"]}
     device = resolve_device(params["device"])
     sets = {s["name"]: read_eval_set(s, params["max_samples"]) for s in eval_sets}  # before any model loads
     tokenizer = load_target_tokenizer(target)
@@ -397,10 +517,23 @@ def evaluate(
     warm = tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
     greedy_generate(model, warm, 4, set())
     speculative_generate(model, draft, warm, max(ks), 4, set())
+    if temperatures:
+        results.update(temperatures=[0.0, *temperatures], **sampling)
     for name, questions in sets.items():
+        references = None
+        if params["sequential_samples"] is not None:  # the other questions' greedy decodes, in batches
+            references = batched_references(model, tokenizer, questions, ks, int(params["max_new_tokens"]),
+                                            params["sequential_samples"], params["reference_batch_size"])
         results["sets"][name] = evaluate_set(
-            model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]), params["sequential_k"]
+            model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]), params["sequential_k"],
+            references,
         )
+        if temperatures:
+            results["sets"][name]["at_temperature"] = {
+                temperature_key(t): evaluate_sampled_set(model, draft, tokenizer, questions, sampled_ks,
+                                                         int(params["max_new_tokens"]), t, sampling)
+                for t in temperatures
+            }
     write_json_atomic(out_json, results)
     plot(results, out_png)
     return results

@@ -5,7 +5,10 @@ target is served by `vllm serve` with the draft through vLLM's public speculativ
 `{"method": "eagle3", "model": <export dir>, "num_speculative_tokens": K}` (K =
 evaluate.vllm.num_speculative_tokens, default max(evaluate.k)). Every question goes to
 `/v1/chat/completions` (the server applies the chat template; temperature 0, max_tokens =
-evaluate.max_new_tokens); turn n is asked after the server's own answer to turn n-1.
+evaluate.max_new_tokens); turn n is asked after the server's own answer to turn n-1. Each temperature > 0
+of evaluate.temperatures asks the set again with `temperature`, `top_p` and a per-request `seed` (vLLM's
+rejection sampler verifies with the exact speculative-sampling rule; evaluate.draft_sample_method goes into
+the speculative config then) and is reported under `at_temperature` in the hf evaluator's format.
 
 Acceptance is read from the engine's Prometheus counters at `/metrics`, which follow the definitions of
 `hf.AcceptanceStats`:
@@ -45,6 +48,7 @@ from eagle3build.engine.http import GaveUp, JsonClient, Rejected, with_retries
 from eagle3build.engine.vllm_server import SERVED_MODEL_NAME, free_port, launch, serve_command, server_config
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.evaluate.hf import AcceptanceStats, plot, read_eval_set
+from eagle3build.evaluate.settings import decode_seed, sampled_temperatures, temperature_key
 from eagle3build.hf_target import target_path
 
 SECTION = "evaluate.vllm"
@@ -53,8 +57,8 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-# Greedy decoding needs none of FlashInfer's sampling kernels, and an engine without flashinfer fails to
-# import them; evaluate.vllm.env may set it otherwise.
+# An engine without flashinfer fails to import FlashInfer's sampling kernels; vLLM's own sampler serves
+# greedy and sampled requests alike. evaluate.vllm.env may set it otherwise.
 SERVER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 SETTLE_S = 0.25  # between two reads of /metrics that must agree before a category's counters count
 TOO_LONG = "maximum context length"  # in vLLM's HTTP 400 for prompt + max_tokens > max_model_len
@@ -143,11 +147,12 @@ class Server:
                 f"more attempts: {SECTION}.retries, a longer wait: {SECTION}.request_timeout_s)"
             ) from e
 
-    def chat(self, messages: list[dict]) -> tuple[str, int] | None:
-        """(answer, completion tokens) of a greedy chat completion; None when the prompt plus
-        max_new_tokens does not fit the server's context."""
+    def chat(self, messages: list[dict], sampling: dict | None = None) -> tuple[str, int] | None:
+        """(answer, completion tokens) of a chat completion, greedy or with `sampling` ({temperature,
+        top_p, seed}: vLLM's request fields); None when the prompt plus max_new_tokens does not fit the
+        server's context."""
         body = {"model": SERVED_MODEL_NAME, "messages": messages, "temperature": 0.0,
-                "max_tokens": self.max_new_tokens}
+                "max_tokens": self.max_new_tokens, **(sampling or {})}
 
         def parse(reply: dict) -> tuple[str, int]:
             content = reply["choices"][0]["message"].get("content") or ""
@@ -208,6 +213,7 @@ class Turn:
     messages: list[dict]  # the prompt: the conversation up to and including this turn's user message
     answer: str
     tokens: int
+    sampling: dict | None = None  # the request's sampling fields (None: greedy)
 
 
 @dataclass
@@ -234,22 +240,38 @@ def in_pool(fn: Callable[[T], R], items: list[T], concurrency: int) -> list[R]:
             raise
 
 
-def converse(server: Server, question: dict) -> tuple[list[Turn], int]:
+@dataclass(frozen=True)
+class Sampling:
+    """A temperature > 0 with evaluate.top_p and evaluate.seed: each request gets a seed of its own
+    (from the question and turn), so a rerun asks the engine for the same draws."""
+
+    temperature: float
+    top_p: float
+    seed: int
+
+    def request(self, question: dict, turn: int) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p,
+                "seed": decode_seed(self.seed, question["id"], turn)}
+
+
+def converse(server: Server, question: dict, sampling: Sampling | None = None) -> tuple[list[Turn], int]:
     """Ask a question's turns in order, each after the server's own answer to the one before.
     Returns the turns answered and how many were skipped (the first too long, and every later one)."""
     messages: list[dict] = []
     turns = []
     for n, text in enumerate(question["turns"]):
         messages = [*messages, {"role": "user", "content": text}]
-        reply = server.chat(messages)
+        fields = sampling.request(question, n) if sampling else None
+        reply = server.chat(messages, fields)
         if reply is None:
             return turns, len(question["turns"]) - n
-        turns.append(Turn(messages, *reply))
+        turns.append(Turn(messages, *reply, fields))
         messages = [*messages, {"role": "assistant", "content": reply[0]}]
     return turns, 0
 
 
-def run_speculative(server: Server, questions: list[dict], k: int, concurrency: int) -> SetRun:
+def run_speculative(server: Server, questions: list[dict], k: int, concurrency: int,
+                    sampling: Sampling | None = None) -> SetRun:
     """Every question, one category after another, with the engine's counters read around each."""
     categories: dict[str, list[dict]] = {}
     for question in questions:
@@ -258,7 +280,7 @@ def run_speculative(server: Server, questions: list[dict], k: int, concurrency: 
     first = before = server.counters(k)
     for category, asked in categories.items():
         start = time.perf_counter()
-        answered = in_pool(lambda q: converse(server, q), asked, concurrency)
+        answered = in_pool(lambda q: converse(server, q, sampling), asked, concurrency)
         run.seconds += time.perf_counter() - start
         after = server.counters(k)
         run.by_category[category], before = after - before, after
@@ -270,9 +292,10 @@ def run_speculative(server: Server, questions: list[dict], k: int, concurrency: 
 
 
 def run_baseline(server: Server, run: SetRun, concurrency: int) -> dict:
-    """The speculative run's prompts answered by the target alone: its speed and the answers that differ."""
+    """The speculative run's prompts answered by the target alone (with the same sampling fields): its
+    speed and the answers that differ (greedy only: sampled answers differ by nature, mismatches None)."""
     def replay(turns: list[Turn]) -> list[tuple[str, int] | None]:
-        return [server.chat(turn.messages) for turn in turns]
+        return [server.chat(turn.messages, turn.sampling) for turn in turns]
 
     start = time.perf_counter()
     replies = in_pool(replay, run.conversations, concurrency)
@@ -280,7 +303,8 @@ def run_baseline(server: Server, run: SetRun, concurrency: int) -> dict:
     pairs = [(turn, reply) for turns, answers in zip(run.conversations, replies, strict=True)
              for turn, reply in zip(turns, answers, strict=True)]
     tokens = sum(reply[1] for _, reply in pairs if reply is not None)
-    mismatches = sum(reply is None or reply[0] != turn.answer for turn, reply in pairs)
+    sampled = any(turn.sampling for turn, _ in pairs)
+    mismatches = None if sampled else sum(reply is None or reply[0] != turn.answer for turn, reply in pairs)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
             "mismatches": mismatches}
 
@@ -314,6 +338,16 @@ def set_report(run: SetRun, baseline: dict | None, ks: list[int], k_served: int)
         "k": per_k,
         "engine_counters": run.total.to_dict(),
     }
+
+
+def sampled_report(run: SetRun, baseline: dict | None, ks: list[int], k_served: int, sampling: Sampling,
+                   draft_sample_method: str) -> dict:
+    """One set at a temperature > 0, in the format of the hf evaluator's `at_temperature` entries."""
+    report = set_report(run, baseline, ks, k_served)
+    report["k"][str(k_served)].pop("mismatches", None)  # sampled answers are not compared
+    keys = ("turns", "turns_skipped_too_long", "baseline", "k", "engine_counters")
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
+            "draft_sample_method": draft_sample_method, **{key: report[key] for key in keys}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,6 +384,7 @@ def evaluate(draft_dir: str, target: dict, eval_sets: list[dict], out_json: str,
     schema's defaults). The servers' logs are `{log_stem}.vllm-speculative.log` and
     `{log_stem}.vllm-baseline.log` (default log_stem: out_json without its suffix)."""
     params = resolve_section("evaluate", params)
+    samplings = [Sampling(t, float(params["top_p"]), int(params["seed"])) for t in sampled_temperatures(params)]
     sets = {s["name"]: read_eval_set(s, params["max_samples"]) for s in eval_sets}  # before any server starts
     cfg = server_config(SECTION, params["vllm"])
     k_served = int(cfg["num_speculative_tokens"] or max(params["k"]))
@@ -358,17 +393,25 @@ def evaluate(draft_dir: str, target: dict, eval_sets: list[dict], out_json: str,
     served = {"model": target_path(target), "revision": target.get("revision"),
               "trust_remote_code": target.get("trust_remote_code")}
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k_served}
+    if samplings:  # how the engine drafts at T > 0 (vLLM >= 0.25; greedy-only runs keep their command)
+        spec["draft_sample_method"] = params["draft_sample_method"]
     stem = str(log_stem or Path(out_json).with_suffix(""))
     new_tokens, concurrency = int(params["max_new_tokens"]), int(cfg["concurrency"])
 
     template = template_args(target)
     spec_args = [*template, "--speculative-config", json.dumps(spec)]
+    # Every temperature runs on its own (categories apart), so each gets its own counter differences.
     with serving(cfg, served, spec_args, Path(f"{stem}.vllm-speculative.log"), new_tokens) as server:
         runs = {name: run_speculative(server, qs, k_served, concurrency) for name, qs in sets.items()}
+        sampled = {name: [run_speculative(server, qs, k_served, concurrency, s) for s in samplings]
+                   for name, qs in sets.items()}
     baselines = dict.fromkeys(sets)
+    sampled_baselines = {name: [None] * len(samplings) for name in sets}
     if cfg["baseline"]:
         with serving(cfg, served, template, Path(f"{stem}.vllm-baseline.log"), new_tokens) as server:
             baselines = {name: run_baseline(server, run, concurrency) for name, run in runs.items()}
+            sampled_baselines = {name: [run_baseline(server, run, concurrency) for run in sampled[name]]
+                                 for name in sets}
     results = {
         "format_version": FORMAT_VERSIONS["evaluate"],
         "backend": "vllm",
@@ -383,6 +426,15 @@ def evaluate(draft_dir: str, target: dict, eval_sets: list[dict], out_json: str,
         "concurrency": concurrency,
         "sets": {name: set_report(runs[name], baselines[name], ks, k_served) for name in sets},
     }
+    if samplings:
+        results.update(temperatures=[0.0, *(s.temperature for s in samplings)], top_p=samplings[0].top_p,
+                       seed=samplings[0].seed, draft_sample_method=params["draft_sample_method"])
+        for name in sets:
+            results["sets"][name]["at_temperature"] = {
+                temperature_key(s.temperature): sampled_report(run, base, ks, k_served, s,
+                                                               params["draft_sample_method"])
+                for s, run, base in zip(samplings, sampled[name], sampled_baselines[name], strict=True)
+            }
     write_json_atomic(out_json, results)
     plot(results, out_png)
     return results

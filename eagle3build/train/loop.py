@@ -45,8 +45,11 @@ from eagle3build.train.optim import make_optimizer, make_scheduler, optimizer_st
 from eagle3build.train.warm_start import head_identity, warm_start
 from eagle3build.ttt.batch import PackedBatch
 from eagle3build.ttt.forward import ttt_forward
-from eagle3build.ttt.loss import step_loss_weights, summarize, weighted_loss
+from eagle3build.ttt.loss import Objective, step_loss_weights, summarize, weighted_loss
 from eagle3build.ttt.scorer import TargetScorer
+
+# The head variants and the loss (docs/TRAINING.md); norm_before_residual is older and always hashed.
+HEAD_VARIANT_KEYS = ("norm_before_fc", "fc_norm", "norm_output", "loss", "lk_eta")
 
 
 def resolve_params(params: dict | None) -> dict:
@@ -70,6 +73,9 @@ def hashed_params(p: dict, fsdp: bool) -> dict:
     # defaults, so runs that always had the defaults keep their identity.
     defaults = section_defaults("train")
     hashed.update({k: defaults[k] for k in train_progress_keys(p)})
+    for key in HEAD_VARIANT_KEYS:  # at the plain head's values: hashed as before the keys existed
+        if hashed[key] == defaults[key]:
+            del hashed[key]
     if fsdp:
         hashed["fsdp"] = p["fsdp"]
     if p["init_from"]:
@@ -169,7 +175,7 @@ def evaluate(
         for sample_ids in val_batches[d.rank :: d.world_size]:
             batch = loader.to_device(sample_ids)
             probs = scorer.draft_probs(batch.loss_final)
-            stats = ttt_forward(ttt.draft, batch, probs, ttt.steps, ttt.attention, compile=ttt.compile)
+            stats = ttt_forward(ttt.draft, batch, probs, ttt.steps, ttt.attention, ttt.compile, ttt.objective)
             sums += torch.stack([stats.loss_sum.float(), stats.correct, stats.count])
     if fsdp:
         ttt.reshard()
@@ -225,7 +231,8 @@ def train(
         log(f"warm start from {warm['init_from']}: lm_head {warm['lm_head']}", d)
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)
     del target
-    ttt = TTTModule(draft, p["ttt_steps"], make_attention(attention_impl, compiled), compiled)
+    objective = Objective.from_params(p)
+    ttt = TTTModule(draft, p["ttt_steps"], make_attention(attention_impl, compiled), compiled, objective)
     if fsdp:
         ttt = shard_fsdp2(ttt, device)
     optimizer, trainable = make_optimizer(draft, p["lr"], p["weight_decay"], fused=cuda)

@@ -2,7 +2,8 @@
 
 Alignment (packed batch, position p of a sample of length L; `j = p + 1 + s` at step s):
 - input token   x[j]                    (step 0: the token after the aux state's position)
-- input hidden  fc(aux[p]) at s = 0, else the draft's own pre-norm output of step s-1 at p
+- input hidden  fc(aux[p]) at s = 0, else the draft's own output of step s-1 at p: pre-norm, or
+                normed with norm_output (Eagle3Draft.feedback)
 - RoPE position t + s (t = position of p inside its sample)
 - target        the target's distribution at j, from the stored final stream: final norm, then the
                 lm_head rows of the draft vocab only (restricted and renormalised: ttt.scorer)
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from eagle3build.compilation import cached_compiled
 from eagle3build.draft.model import Eagle3Draft, FusedWeights, attention_scale
 from eagle3build.ttt.batch import PackedBatch, loss_layout
-from eagle3build.ttt.loss import TTTStats, soft_cross_entropy
+from eagle3build.ttt.loss import Objective, TTTStats, acceptance_loss, soft_cross_entropy
+from eagle3build.ttt.recompute import Recompute, chunked_loss, recomputed
 from eagle3build.ttt.weight_aliases import weight_aliases_per_step
 
 
@@ -41,6 +43,10 @@ def _layer_out(model, fused, attn_out, residual):
     return model.finish(attn_out, residual, fused)
 
 
+def _feedback(model, out):
+    return model.feedback(out)
+
+
 def ttt_forward(
     model: Eagle3Draft,
     batch: PackedBatch,
@@ -48,6 +54,8 @@ def ttt_forward(
     steps: int,
     attention: Callable,
     compile: bool = False,
+    objective: Objective | None = None,
+    recompute: Recompute | None = None,
 ) -> TTTStats:
     """Unroll `steps` draft steps over a packed batch and return per-step loss sums and accuracy counts.
 
@@ -55,6 +63,8 @@ def ttt_forward(
     target's distribution at the batch's loss rows (with_loss_rows; every row when it has none).
     compile: torch.compile the per-step layer halves and the loss (static shapes: one compilation
     per batch length; pad or bucket lengths when they vary).
+    objective: the row loss (train.loss, ttt.loss.Objective); None: soft cross-entropy (forward KL).
+    recompute: the parts recomputed in backward to save memory (ttt.recompute); None: none.
 
     Row p of step s predicts the target at j = p + 1 + s. The loss is taken in target order at the loss
     rows j: step s contributes its output row j - 1 - s (weight 0 where that is before the batch or
@@ -80,7 +90,8 @@ def ttt_forward(
     fused = FusedWeights(*cached_compiled(_fused_weight_tensors, compile)(model, dtype))
     step_fused = weight_aliases_per_step(fused, steps, compile)
     layer_in, layer_out = cached_compiled(_layer_in, compile), cached_compiled(_layer_out, compile)
-    loss_fn = cached_compiled(soft_cross_entropy, compile)
+    loss_fn = cached_compiled(soft_cross_entropy if objective is None else acceptance_loss, compile)
+    feedback = cached_compiled(_feedback, compile) if model.config.norm_output else None
     hidden = model.project_aux(batch.aux).unsqueeze(0)  # [1, N, H]
     # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
     # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
@@ -89,8 +100,8 @@ def ttt_forward(
     # index_add (deterministic here: a row is gathered twice only where all but one copy carry a zero
     # gradient), advanced indexing's a sorted, accumulating index_put (slower)
     rows = batch.step_rows
-    keys, values, at_target = [], [], []
-    for s in range(steps):
+
+    def layer(s, hidden, keys, values):  # step s's layer: (its output, its keys, its values)
         at = None if s == 0 else rows  # step 0's keys and values at every row: every query reads them
         if at is None:
             position = (batch.position + s).unsqueeze(0)
@@ -99,13 +110,22 @@ def ttt_forward(
             position = (batch.position[at] + s).unsqueeze(0)
             step_embed_qkv = embed_qkv.index_select(0, at + 1 + s).unsqueeze(0)
         q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
-        keys.append(k)
-        values.append(v)
-        attn_out = attention(q, keys, values, batch.doc, s, scale, at)
+        attn_out = attention(q, [*keys, k], [*values, v], batch.doc, s, scale, at)
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
             attn_out, residual = attn_out.index_select(2, rows), residual.index_select(1, rows)
-        hidden = layer_out(model, step_fused[s], attn_out, residual)
+        return layer_out(model, step_fused[s], attn_out, residual), k, v
+
+    keys, values, at_target = [], [], []
+    for s in range(steps):
+        if recompute is not None and recompute.steps:  # keys/values as tuples: the lists grow after
+            hidden, k, v = recomputed(layer, s, hidden, tuple(keys), tuple(values))
+        else:
+            hidden, k, v = layer(s, hidden, keys, values)
+        keys.append(k)
+        values.append(v)
         at_target.append(hidden.flatten(0, 1).index_select(0, source[s]))  # a view: no select backward
+        if feedback is not None and s + 1 < steps:  # norm_output: the next step reads the normed output
+            hidden = feedback(model, hidden)
     at_target = torch.stack(at_target, dim=1)  # [M, S, H]
     if compile:  # the number of loss rows varies from batch to batch: one compilation for all of them
         for t, dim in ((at_target, 0), (target_probs, 0), (weight, 0)):
@@ -113,5 +133,11 @@ def ttt_forward(
     # Every step's loss at once: no step reads the previous step's logits (it reads its hidden state),
     # so the lm_head is one matmul over all steps, and so is its weight gradient (k matmuls and k - 1
     # accumulations otherwise).
-    loss_sum, correct, count = loss_fn(model, fused, at_target, target_probs, weight)
+    extra = () if objective is None else (objective.loss, objective.lk_eta)
+    if recompute is not None and recompute.loss_chunk:
+        loss_sum, correct, count = chunked_loss(
+            loss_fn, recompute.loss_chunk, model, fused, at_target, target_probs, weight, *extra, compile=compile
+        )
+    else:
+        loss_sum, correct, count = loss_fn(model, fused, at_target, target_probs, weight, *extra)
     return TTTStats(loss_sum, correct.float(), count.float())

@@ -1,0 +1,392 @@
+"""Acceptance at temperature > 0: speculative sampling is lossless (the emitted tokens are distributed as
+the target's own samples, a statistical test on a tiny model that fails for a broken rule), reproducible,
+and reported beside the greedy rows by both backends."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.errors import ConfigError
+from eagle3build.evaluate.hf import greedy_generate, speculative_generate
+from eagle3build.evaluate.sampling import Greedy, Sampled, probabilities, rule_for
+from eagle3build.evaluate.settings import decode_seed, sampled_temperatures
+
+torch.set_num_threads(1)  # 2 threads spin against the other jobs on a shared 2-core machine
+
+V, K, H = 8, 6, 32  # target vocab, draft vocab (two target tokens the draft can never propose), hidden
+PROMPT = [1, 4, 2, 7]
+DRAFTED = [0, 1, 2, 4, 5, 7]  # target ids of the draft vocabulary: 3 and 6 come only from the residual
+
+
+def tiny_target():
+    """A random 2-layer Llama over 8 tokens with sharp, varied next-token distributions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)  # init std 0.02 gives near-uniform p: nothing to tell apart
+    return model
+
+
+def tiny_draft(seed: int = 1) -> Eagle3Draft:
+    """An untrained EAGLE-3 head for the tiny target (a near-uniform q over its 6 tokens): it disagrees with
+    the target's sharp p, so rejections are common, and a wrong rule's output leans visibly towards q."""
+    config = DraftConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
+                         vocab_size=V, draft_vocab_size=K, target_hidden_size=H, aux_layer_ids=[0, 1, 2])
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config).eval()
+    with torch.no_grad():
+        draft.embed_tokens.weight.normal_()
+        drafted = torch.tensor(DRAFTED)
+        draft.d2t.copy_(drafted - torch.arange(K))
+        draft.t2d.zero_()
+        draft.t2d[drafted] = True
+    return draft
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def exact_marginals(model, prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
+    """[n, V]: P(y_i = v) of the target's own sampling, by enumerating every prefix (V^(n-1) of them)."""
+    prefixes = torch.tensor(list(itertools.product(range(V), repeat=n - 1)), dtype=torch.long)
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1 :]  # [P, n, V]: y_1 .. y_n given the prefix
+    probs = probabilities(logits, temperature, top_p)
+    # probability of each prefix: prod_i p(y_i | y_<i)
+    weight = torch.ones(len(prefixes))
+    marginals = torch.zeros(n, V)
+    for i in range(n):
+        # every prefix sharing the first i tokens has the same p(y_i+1 | ...): weight it by P(y_1..y_i),
+        # counted once per distinct prefix of length i (the rows repeat V^(n-1-i) times)
+        repeats = V ** (n - 1 - i)
+        marginals[i] = (weight[:, None] * probs[:, i]).sum(0) / repeats
+        if i < n - 1:
+            weight = weight * probs[torch.arange(len(prefixes)), i, prefixes[:, i]]
+    return marginals
+
+
+def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic of observed counts against probabilities, cells with < 5 expected pooled;
+    returns (statistic, p-value) from the chi-square survival function."""
+    total = counts.sum()
+    expected = expected_probs.double() * total
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+        expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0
+    assert torch.all(counts[~keep] == 0), "a token the target never samples was emitted"
+    counts, expected = counts[keep].double(), expected[keep]
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    if dof == 0:  # one possible token (top-p can leave one): every count is in it, as asserted above
+        return 0.0, 1.0
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(statistic / 2.0)))
+    return statistic, p_value
+
+
+def sampled_outputs(target, draft, runs: int, n: int, k: int, temperature: float, top_p: float, method: str):
+    """[runs, n] first n emitted tokens of seeded speculative-sampling decodes, and every round's accepts."""
+    outputs, accepts = [], []
+    for run in range(runs):
+        rule = rule_for(temperature, top_p, decode_seed(7, run), method, torch.device("cpu"))
+        tokens, accepted = speculative_generate(target, draft, PROMPT, k, n, set(), rule)
+        outputs.append(tokens[:n])
+        accepts += accepted
+    return torch.tensor(outputs), accepts
+
+
+RUNS, N_TOKENS = 600, 3
+
+
+def lossless_statistics(target, draft, k: int, temperature: float, top_p: float = 1.0,
+                        method: str = "probabilistic") -> tuple[list, list]:
+    """Per emitted position 1..N_TOKENS: (statistic, p-value) of its counts against the exact marginal."""
+    outputs, accepts = sampled_outputs(target, draft, RUNS, N_TOKENS, k, temperature, top_p, method)
+    marginals = exact_marginals(target, PROMPT, N_TOKENS, temperature, top_p)
+    tests = [chi_square(torch.bincount(outputs[:, i], minlength=V), marginals[i]) for i in range(N_TOKENS)]
+    return tests, accepts
+
+
+@pytest.mark.parametrize("k, temperature, top_p, method, draft_seed", [
+    (2, 1.0, 1.0, "probabilistic", 1),
+    (1, 0.7, 0.9, "probabilistic", 1),
+    (2, 1.0, 0.9, "greedy", 4),  # a head whose argmax is the target's likely token about half the time
+])  # fmt: skip
+def test_speculative_sampling_emits_the_targets_distribution(target, k, temperature, top_p, method, draft_seed):
+    """Tokens 2 and 3 come from the rule (acceptance, residual resampling — tokens 3 and 6 are outside the
+    draft vocabulary, so only the residual emits them — and the bonus token); their frequencies over 600
+    seeded decodes match the target's exact marginals (pinned seeds: the statistic is deterministic), with
+    proposals drawn from q or taken as its argmax (a point-mass q, vLLM's default)."""
+    tests, accepts = lossless_statistics(target, tiny_draft(draft_seed), k, temperature, top_p, method)
+    # the draft must be wrong often, or the test would not exercise the residual
+    assert 0.15 < sum(a == 0 for a in accepts) / len(accepts) < 0.85
+    for position, (statistic, p_value) in enumerate(tests, start=1):
+        assert p_value > 1e-3, f"y{position}: chi-square {statistic:.1f} (p = {p_value:.2g})"
+
+
+def test_the_test_fails_when_a_rejection_draws_from_p_instead_of_the_residual(target, monkeypatch):
+    """The same statistic for a broken rule (a rejected position samples p, not normalize(max(0, p - q))):
+    the output is then biased towards the draft, and the test must see it."""
+    monkeypatch.setattr(Sampled, "residual", lambda self, p, q: p)
+    tests, _ = lossless_statistics(target, tiny_draft(), 2, 1.0)
+    assert tests[0][1] > 1e-3  # y1 is the prefill's own sample, untouched by the rule
+    assert min(p_value for _, p_value in tests[1:]) < 1e-8, tests
+
+
+def test_the_test_fails_when_every_proposal_is_accepted(target, monkeypatch):
+    """Accepting drafts unconditionally (acceptance without the min(1, p/q) coin) is caught too."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros(()))
+    tests, _ = lossless_statistics(target, tiny_draft(), 2, 1.0)
+    assert min(p_value for _, p_value in tests[1:]) < 1e-8, tests
+
+
+# ---------------------------------------------------------------------------------------------------
+# the rule's pieces
+
+
+def test_probabilities_scale_by_temperature_and_keep_the_top_p_nucleus():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    assert torch.allclose(probabilities(logits, 0.5), torch.softmax(logits / 0.5, -1))
+    full = torch.softmax(logits, -1)  # [0.64, 0.24, 0.09, 0.03]
+    nucleus = probabilities(logits, 1.0, top_p=0.8)  # 0.64 < 0.8 <= 0.64 + 0.24: the first two
+    assert torch.allclose(nucleus, torch.tensor([*(full[:2] / full[:2].sum()), 0.0, 0.0]))
+    assert torch.equal(probabilities(logits, 1.0, top_p=0.5), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert isinstance(rule_for(0.0, 1.0, 0, "probabilistic", torch.device("cpu")), Greedy)
+
+
+class LogitOracle(torch.nn.Module):
+    """Stands in for Eagle3Draft with the target's own next-token logits as its draft logits (q = p), from
+    the token history it keeps in its "KV cache": a misaligned position, input token or cache crop in the
+    decoding loop makes q differ from p, and then proposals get rejected."""
+
+    def __init__(self, target, first_token: int):
+        super().__init__()
+        self.target, self.first_token = target, first_token
+        self.config = type("Config", (), {"aux_layer_ids": [0, 1, 2], "vocab_size": V})()
+
+    def project_aux(self, aux):
+        return aux
+
+    def layer(self, input_ids, hidden, position_ids, kv_cache=None):
+        history = kv_cache[0][0, 0, :, 0].long() if kv_cache is not None else torch.zeros(0, dtype=torch.long)
+        start = len(history)
+        assert position_ids[0].tolist() == list(range(start, start + input_ids.shape[1]))
+        history = torch.cat([history, input_ids[0]])  # history[j] = x[j + 1]
+        context = torch.cat([torch.tensor([self.first_token]), history])
+        logits = self.target(input_ids=context[None]).logits[0]  # logits[i] follow x[i]
+        cache = history.float()[None, None, :, None]
+        return logits[start + 1 :][None], (cache, cache)  # position j predicts x[j + 2]
+
+    def logits(self, pre_norm_out):
+        return pre_norm_out
+
+    def feedback(self, pre_norm_out):  # what the next draft step reads (a plain head: the output itself)
+        return pre_norm_out
+
+    def draft_ids(self):
+        return torch.arange(V)
+
+    def draft_to_target(self, ids):
+        return ids
+
+
+def test_a_draft_that_samples_the_targets_distribution_is_always_accepted(target):
+    """q = p accepts every proposal (min(1, p/q) = 1), in every round and at every k: the loop feeds the
+    draft and the verifier the same positions at temperature > 0 too."""
+    for k in (1, 3):
+        for seed in range(4):
+            rule = rule_for(1.0, 1.0, seed, "probabilistic", torch.device("cpu"))
+            tokens, accepts = speculative_generate(target, LogitOracle(target, PROMPT[0]), PROMPT, k, 20, set(), rule)
+            assert len(tokens) == 20 and accepts == [k] * len(accepts), (k, seed, accepts)
+
+
+def test_a_temperature_near_zero_decodes_greedily(target):
+    """The sampled rule's limit T -> 0 is the greedy rule: plain and speculative decodes both give the
+    target's greedy output."""
+    reference = greedy_generate(target, PROMPT, 16, set())
+    for seed in range(3):
+        cold = rule_for(1e-4, 1.0, seed, "probabilistic", torch.device("cpu"))
+        assert greedy_generate(target, PROMPT, 16, set(), cold) == reference
+        assert speculative_generate(target, tiny_draft(), PROMPT, 2, 16, set(), cold)[0] == reference
+
+
+def test_sampled_decodes_are_reproducible_from_their_seed(target):
+    draft = tiny_draft()
+
+    def decode(seed):
+        rule = rule_for(1.0, 1.0, seed, "probabilistic", torch.device("cpu"))
+        return speculative_generate(target, draft, PROMPT, 3, 16, set(), rule)
+
+    assert decode(5) == decode(5)
+    assert len({str(decode(seed)) for seed in range(4)}) > 1
+    assert decode_seed(0, 3, 1, "target") == decode_seed(0, 3, 1, "target") != decode_seed(1, 3, 1, "target")
+
+
+def test_temperatures_must_include_zero_and_be_valid():
+    from eagle3build.config import resolve_section
+
+    assert sampled_temperatures(resolve_section("evaluate", {})) == []
+    assert sampled_temperatures(resolve_section("evaluate", {"temperatures": [1, 0, 0.7]})) == [1.0, 0.7]
+    with pytest.raises(ConfigError, match=r"evaluate\.temperatures.*lacks 0"):
+        sampled_temperatures(resolve_section("evaluate", {"temperatures": [1.0]}))
+    for bad in ([-0.5, 0], [0, 0], []):
+        with pytest.raises(ConfigError, match=r"evaluate\.temperatures"):
+            resolve_section("evaluate", {"temperatures": bad})
+    with pytest.raises(ConfigError, match=r"evaluate\.top_p"):
+        resolve_section("evaluate", {"top_p": 0})
+
+
+# ---------------------------------------------------------------------------------------------------
+# the hf report (stories260K)
+
+
+def exported_random_draft(tmp_path) -> str:
+    from test_evaluate import STORIES, random_draft
+
+    from eagle3build.atomic import save_safetensors_atomic
+    from eagle3build.draft.export import export
+
+    draft = random_draft(seed=3, draft_vocab_size=256)
+    weights = {n: p.detach() for n, p in draft.named_parameters() if p.requires_grad}
+    weights |= {"d2t": draft.d2t, "t2d": draft.t2d}
+    save_safetensors_atomic(tmp_path / "draft.safetensors", weights, {"draft_config": draft.config.to_dict()})
+    save_safetensors_atomic(tmp_path / "mapping.safetensors", {"d2t": draft.d2t, "t2d": draft.t2d})
+    export(str(tmp_path / "draft.safetensors"), str(tmp_path / "mapping.safetensors"), str(STORIES),
+           str(tmp_path / "export"), {"dtype": "float32"})
+    return str(tmp_path / "export")
+
+
+def test_hf_report_has_the_sampled_rows_beside_the_greedy_ones(tmp_path):
+    from conftest import STORY_CHAT_TEMPLATE, need_shared
+    from test_evaluate import STORIES, STORY_PROMPTS
+
+    from eagle3build.evaluate.hf import evaluate
+
+    need_shared()
+    questions = tmp_path / "questions.jsonl"
+    lines = [{"question_id": 1, "category": "story", "turns": [STORY_PROMPTS[0], "And then?"]},
+             {"question_id": 2, "category": "short", "turns": [STORY_PROMPTS[2]]}]
+    questions.write_text("".join(json.dumps(q) + "\n" for q in lines))
+    (tmp_path / "chat.jinja").write_text(STORY_CHAT_TEMPLATE)
+    target = {"path": str(STORIES), "revision": None, "trust_remote_code": False,
+              "chat_template": str(tmp_path / "chat.jinja")}
+    draft = exported_random_draft(tmp_path)
+    sets = [{"name": "stories", "path": str(questions)}]
+    greedy = {"k": [1, 2], "max_new_tokens": 12, "device": "cpu", "sequential_k": [2]}
+    sampling = {**greedy, "temperatures": [0, 1.0], "top_p": 0.95, "seed": 4}
+
+    def run(params, name):
+        return evaluate(draft, target, sets, str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.png"), params)
+
+    plain, first, again = run(greedy, "plain"), run(sampling, "first"), run(sampling, "again")
+    # greedy-only configs write what they always wrote; the sampled report adds keys and changes none
+    assert "temperatures" not in plain and "at_temperature" not in plain["sets"]["stories"]
+    assert first["temperatures"] == [0.0, 1.0] and first["top_p"] == 0.95 and first["seed"] == 4
+    assert first["draft_sample_method"] == "probabilistic"
+    untimed = ("seconds", "tokens_per_s", "speedup")
+
+    def strip(report):
+        if isinstance(report, dict):
+            return {k: strip(v) for k, v in report.items() if k not in untimed and k != "baseline"}
+        return report
+
+    assert strip(first["sets"]["stories"]["k"]) == strip(plain["sets"]["stories"]["k"])
+    sampled = first["sets"]["stories"]["at_temperature"]["1.0"]
+    assert strip(sampled) == strip(again["sets"]["stories"]["at_temperature"]["1.0"])  # seeded
+    assert sampled["temperature"] == 1.0 and sampled["turns"] == 3 and list(sampled["k"]) == ["2"]
+    row = sampled["k"]["2"]
+    assert row["drafts"] > 0 and 1.0 <= row["mean_acceptance_length"] <= 3.0
+    assert sum(c["drafts"] for c in row["per_category"].values()) == row["drafts"]
+    assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and "mismatches" not in row
+    assert sampled["baseline"]["tokens"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# the vllm backend (tests/fake_vllm_spec_server.py)
+
+
+def test_vllm_sends_the_temperature_and_reports_tau_per_temperature(tmp_path):
+    """Each temperature runs on its own, so its counter differences are its own: the fake engine accepts
+    `accept:` digits greedily and `sampled:` digits at T > 0; every sampled request (and its baseline
+    replay) carries the temperature, top_p and a seed of its own."""
+    from test_evaluate_vllm import TARGET, fake_export, params, write_questions
+
+    from eagle3build.evaluate.vllm import evaluate
+
+    questions = write_questions(tmp_path / "q.jsonl", [
+        {"question_id": 1, "category": "writing", "turns": ["a poem accept:33 sampled:10", "again accept:2"]},
+        {"question_id": 2, "category": "math", "turns": ["two plus two accept:31 sampled:0"]},
+    ])  # fmt: skip
+    settings = {**params(tmp_path, env={"FAKE_VLLM_REQUESTS": str(tmp_path / "requests.jsonl")}),
+                "temperatures": [0.0, 1.0], "top_p": 0.95, "seed": 3}
+    result = evaluate(fake_export(tmp_path), TARGET, [{"name": "set", "path": questions}],
+                      str(tmp_path / "set.json"), str(tmp_path / "set.png"), settings)
+
+    assert result["temperatures"] == [0.0, 1.0] and result["top_p"] == 0.95 and result["seed"] == 3
+    argv = json.loads((tmp_path / "argv.jsonl").read_text().splitlines()[0])["argv"]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["draft_sample_method"] == "probabilistic"  # the schema's default, as the hf evaluator
+    report = result["sets"]["set"]
+    greedy_rounds, sampled_rounds = [3, 3, 2, 3, 1], [1, 0, 2, 0]  # a turn without sampled: uses accept:
+    assert report["k"]["3"]["mean_acceptance_length"] == pytest.approx(1 + sum(greedy_rounds) / 5)
+    assert report["k"]["3"]["mismatches"] == 0
+    sampled = report["at_temperature"]["1.0"]
+    assert sampled["temperature"] == 1.0 and sampled["top_p"] == 0.95 and sampled["turns"] == 3
+    for j in (1, 2, 3):
+        assert sampled["k"][str(j)]["mean_acceptance_length"] == pytest.approx(
+            1 + sum(min(a, j) for a in sampled_rounds) / len(sampled_rounds))
+    assert sampled["k"]["3"]["per_category"]["math"]["mean_acceptance_length"] == pytest.approx(1.0)
+    assert "mismatches" not in sampled["k"]["3"] and sampled["baseline"]["tokens"] > 0
+    assert sampled["engine_counters"]["drafts"] == len(sampled_rounds)
+
+    requests = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    greedy = [r for r in requests if r["temperature"] == 0.0]
+    assert all(r["top_p"] is None and r["seed"] is None for r in greedy)
+    hot = [r for r in requests if r["temperature"] == 1.0]
+    assert len(hot) == 6  # 3 turns, served with and without the draft
+    first_turn = [r for r in hot if r["content"].startswith("a poem")]
+    assert [r["seed"] for r in first_turn] == [decode_seed(3, 1, 0)] * 2  # the baseline replays the draws
+    assert all(r["top_p"] == 0.95 for r in hot)
+
+
+def test_the_fake_engine_checks_sampling_fields_as_vllm_does():
+    from fake_vllm_spec_server import sampling_error
+
+    assert sampling_error({"temperature": 1.0, "top_p": 0.9, "seed": 12}) is None
+    assert sampling_error({"temperature": 0.0}) is None and sampling_error({}) is None
+    assert "temperature must be non-negative" in sampling_error({"temperature": -0.1})
+    assert "top_p must be in (0, 1]" in sampling_error({"temperature": 1.0, "top_p": 0.0})
+    assert "seed" in sampling_error({"seed": 1.5})
+
+
+def test_the_rule_passes_the_sampling_keys_when_a_temperature_is_above_zero(tmp_path):
+    """Asking for T > 0 adds temperatures, top_p and seed to the evaluate rule's params (they change the
+    result); greedy-only configs keep the params they had (tests/test_rule_params.py)."""
+    from conftest import STORIES
+    from test_chain import chain_config
+    from workflow_util import copy_workflow, planned_params, write_config
+
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    wd = copy_workflow(tmp_path)
+    config = chain_config()
+    config["evaluate"] |= {"temperatures": [0.0, 1.0], "top_p": 0.5, "seed": 9, "draft_sample_method": "greedy"}
+    write_config(wd, config)
+    (planned,) = planned_params(wd)["evaluate"]
+    sampling = "'temperatures': [0.0, 1.0], 'top_p': 0.5, 'seed': 9, 'draft_sample_method': 'greedy'"
+    assert f"'sequential_k': [3], {sampling}" in planned
