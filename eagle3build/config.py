@@ -109,6 +109,20 @@ def check_output_root(root: str, workdir: str | Path | None = None) -> Path:
     return resolved
 
 
+# `train` keys that trade compute for memory and change no trained weight (eagle3build/ttt/recompute.py): a
+# run resumes across them, and the train rule's params carry them only where they differ from the
+# defaults, so turning one on and off again plans nothing.
+TRAIN_MEMORY_KEYS = ("activation_checkpointing", "loss_chunk_tokens")
+
+
+def train_rule_params(given: dict, train: dict) -> dict:
+    """The train rule's `train` params: the keys the config gives (`given`), less the logging and
+    resume-point knobs and the memory switches at their defaults (`train`: the section with its defaults)."""
+    progress, defaults = train_progress_keys(train), section_defaults("train")
+    return {k: v for k, v in given.items()
+            if k not in progress and not (k in TRAIN_MEMORY_KEYS and v == defaults[k])}
+
+
 def train_progress_keys(train: dict) -> tuple[str, ...]:
     """The `train` keys that change no trained weight, only logs and resume points: the train rule's params
     leave them out (changing one retrains nothing) and so does a run's identity (it resumes). `train`: the

@@ -1,6 +1,6 @@
 # train: the draft head with training-time test (resumes from train/state after a crash).
 # export: the checkpoint vLLM and SGLang load.
-from eagle3build.config import train_progress_keys
+from eagle3build.config import train_rule_params
 from eagle3build.train.warm_start import head_files
 
 
@@ -22,11 +22,7 @@ rule train:
     params:
         # only what changes the weights: logging and resume-point knobs are read from config by the job
         train={
-            **{
-                k: v
-                for k, v in GIVEN_CONFIG.get("train", {}).items()
-                if k not in train_progress_keys(config["train"])
-            },
+            **train_rule_params(GIVEN_CONFIG.get("train", {}), config["train"]),
             "gpus": config["train"]["gpus"],
         },
         target={k: TARGET[k] for k in ("path", "revision")},

@@ -3,6 +3,9 @@
 The answer depends only on the request's messages: "reply {n}: {last user message reversed}" where n
 counts the user messages, cut to `max_tokens` words (finish_reason "length" then). Knobs make the next
 N chat requests fail with HTTP 500, hang past the client's timeout, or return a body that is not JSON.
+As a program it stands in for `vllm serve MODEL --port P` (bench/quality.py's smoke run starts it as the
+regeneration server): `python tests/fake_openai_server.py serve MODEL --port P [other flags ignored]`,
+serving until SIGTERM.
 
 Like a server started with a reasoning parser and a tool parser (vLLM's `ChatMessage`: `reasoning`,
 formerly `reasoning_content`, which SGLang still uses; `tool_calls` in OpenAI form with the arguments as
@@ -29,7 +32,7 @@ def fake_answer(messages: list[dict], max_tokens: int | None = None) -> tuple[st
 
 
 class FakeOpenAIServer:
-    def __init__(self, model: str = "fake-model", delay_s: float = 0.0, hang_s: float = 2.0):
+    def __init__(self, model: str = "fake-model", delay_s: float = 0.0, hang_s: float = 2.0, port: int = 0):
         self.model = model
         self.delay_s = delay_s  # every chat answer waits this long (to observe concurrency)
         self.hang_s = hang_s
@@ -44,7 +47,7 @@ class FakeOpenAIServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
         self._server.daemon_threads = True
         self._server.block_on_close = False
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -157,3 +160,26 @@ class FakeOpenAIServer:
                 return 200, json.dumps(body).encode()
 
         return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`serve MODEL --port P`: serve MODEL's answers on 127.0.0.1:P until SIGTERM or SIGINT."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description="fake OpenAI-compatible chat server")
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("model")
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args(argv)  # vLLM's other flags (memory, lengths) mean nothing here
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with FakeOpenAIServer(model=args.model, port=args.port) as server:
+        print(f"serving {args.model} at {server.url}", flush=True)
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -115,3 +115,11 @@ def test_hostile_dataset_names_and_paths_execute_nothing(tmp_path):
     snakemake(wd, "build/vocab/mapping.safetensors")
     assert (wd / "build" / "tokens" / name / "00001.safetensors").exists()
     assert not canary.exists() and not (wd / "pwned").exists()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(name):
+    """configs/*.yaml are documented entry points: each must pass the schema as shipped (a renamed or removed
+    key would otherwise surface only on the GPU host)."""
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / name)
+    assert cfg["datasets"] and cfg["output_root"] != "build"

@@ -390,3 +390,28 @@ def test_the_rule_passes_the_sampling_keys_when_a_temperature_is_above_zero(tmp_
     (planned,) = planned_params(wd)["evaluate"]
     sampling = "'temperatures': [0.0, 1.0], 'top_p': 0.5, 'seed': 9, 'draft_sample_method': 'greedy'"
     assert f"'sequential_k': [3], {sampling}" in planned
+
+
+def test_sampled_rows_use_the_sequential_questions_only(tmp_path, monkeypatch):
+    """evaluate.sequential_samples bounds the step-by-step decodes: at T > 0 only the first N questions of a
+    set are sampled (the greedy rows still cover every question, their decodes batched)."""
+    from types import SimpleNamespace
+
+    import eagle3build.evaluate.hf as hf
+
+    sampled, greedy = [], []
+    model = SimpleNamespace(dtype=torch.float32, config=SimpleNamespace(vocab_size=8))
+    monkeypatch.setattr(hf, "load_target_tokenizer", lambda target: lambda text, **kw: {"input_ids": [1]})
+    monkeypatch.setattr(hf, "load_target_model", lambda target, device: model)
+    monkeypatch.setattr(hf, "load_draft", lambda *a: SimpleNamespace(config=model.config))
+    monkeypatch.setattr(hf, "greedy_generate", lambda *a, **k: [])
+    monkeypatch.setattr(hf, "speculative_generate", lambda *a, **k: ([], []))
+    monkeypatch.setattr(hf, "batched_references", lambda target, tok, questions, *a: {"n": len(questions)})
+    monkeypatch.setattr(hf, "evaluate_set", lambda *a: greedy.append(len(a[3])) or {"k": {}})
+    monkeypatch.setattr(hf, "evaluate_sampled_set", lambda *a: sampled.append(len(a[3])) or {})
+    monkeypatch.setattr(hf, "plot", lambda *a: None)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(f'{{"question_id": {i}, "category": "c", "turns": ["hi {i}"]}}\n' for i in range(5)))
+    hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": str(questions)}], str(tmp_path / "e.json"),
+                str(tmp_path / "e.png"), {"temperatures": [0.0, 1.0], "sequential_samples": 2, "k": [1]})
+    assert greedy == [5] and sampled == [2]

@@ -31,6 +31,9 @@ Normalisation policy, applied the same way to every format:
   turn by the regenerate and evaluate stages).
 - Tool calls are stored in OpenAI form, {"type": "function", "function": {"name", "arguments"}}, with
   `arguments` as a JSON object when it parses (what Hugging Face chat templates expect) and content "".
+- Tool definitions are stored in OpenAI form too, as vLLM renders them ({"type": "function", "function":
+  {"name", "description", "parameters"}}: eagle3build/data/tools.py), whatever shape the file has; one
+  that cannot be is an error naming the record.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3build.data.tools import ToolError, openai_tools
 from eagle3build.errors import ConfigError, UserError
 
 FORMATS = ("auto", "sharegpt", "openai", "alpaca", "hh", "questions")
@@ -299,19 +303,11 @@ def _tool_call(value: str) -> dict | None:
 
 
 def _tools(data: dict, where: str) -> list | None:
-    tools = data.get("tools")
-    if tools in (None, "", []):
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: field 'tools' is a string but not JSON ({e.msg})") from e
-    if not isinstance(tools, list):
-        raise UserError(
-            f"{where}: field 'tools' must be a list of function schemas, found {type(tools).__name__}"
-        )
-    return tools or None
+    """The record's tools in OpenAI's form, the one every later stage sends and renders (data/tools.py)."""
+    try:
+        return openai_tools(data.get("tools"))
+    except ToolError as e:
+        raise UserError(f"{where}: field 'tools': {e}") from e
 
 
 def _from_sharegpt(data: dict, where: str) -> tuple[list[dict], list | None]:

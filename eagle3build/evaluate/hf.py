@@ -412,8 +412,7 @@ def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: li
                     overall[k].add(accepted)
                     category[k].add(accepted)
             turns_done += 1
-            text = tokenizer.decode([t for t in answer if t not in eos], skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": text})
+            messages.append({"role": "assistant", "content": answer_text(tokenizer, answer, eos)})
 
     baseline_tps = base_tokens / base_seconds if base_seconds else 0.0
     per_k = {}
@@ -425,6 +424,7 @@ def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: li
     return {
         "temperature": temperature,
         **sampling,
+        "questions": len(questions),
         "turns": turns_done,
         "turns_skipped_too_long": turns_skipped,
         "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
@@ -528,9 +528,10 @@ def evaluate(
             model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]), params["sequential_k"],
             references,
         )
-        if temperatures:
+        if temperatures:  # decoded step by step: on the sequential questions only, where they are limited
+            sequential = questions[: params["sequential_samples"]] if params["sequential_samples"] else questions
             results["sets"][name]["at_temperature"] = {
-                temperature_key(t): evaluate_sampled_set(model, draft, tokenizer, questions, sampled_ks,
+                temperature_key(t): evaluate_sampled_set(model, draft, tokenizer, sequential, sampled_ks,
                                                          int(params["max_new_tokens"]), t, sampling)
                 for t in temperatures
             }

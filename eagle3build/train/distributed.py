@@ -58,15 +58,19 @@ class TTTModule(nn.Module):
     (sharding this module as its root) gathers the draft's weights in its pre-forward hook: ttt_forward
     calls the draft's methods (fused_weights, embed_qkv, qkv, finish, logits), never draft.forward."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, attention, compile: bool = False, objective=None):
+    def __init__(
+        self, draft: Eagle3Draft, steps: int, attention, compile: bool = False, objective=None, recompute=None
+    ):
         super().__init__()
         self.draft, self.steps, self.attention, self.compile = draft, steps, attention, compile
         self.objective = objective  # ttt.loss.Objective (train.loss); None: forward KL
+        self.recompute = recompute  # ttt.recompute.Recompute (train's memory switches); None: keep all
 
     def forward(self, batch: PackedBatch, target_probs: torch.Tensor) -> TTTStats:
         check_unsharded(self.draft)
         return ttt_forward(
-            self.draft, batch, target_probs, self.steps, self.attention, self.compile, self.objective
+            self.draft, batch, target_probs, self.steps, self.attention, self.compile, self.objective,
+            self.recompute,
         )
 
 

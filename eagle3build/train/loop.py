@@ -19,7 +19,7 @@ from torch import nn
 
 from eagle3build.attention.factory import ATTENTION_IMPLS, make_attention
 from eagle3build.attention.kernel import KERNELS, check_kernel
-from eagle3build.config import resolve_section, section_defaults, train_progress_keys
+from eagle3build.config import TRAIN_MEMORY_KEYS, resolve_section, section_defaults, train_progress_keys
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.train.checkpoint import (
@@ -46,6 +46,7 @@ from eagle3build.train.warm_start import head_identity, warm_start
 from eagle3build.ttt.batch import PackedBatch
 from eagle3build.ttt.forward import ttt_forward
 from eagle3build.ttt.loss import Objective, step_loss_weights, summarize, weighted_loss
+from eagle3build.ttt.recompute import Recompute
 from eagle3build.ttt.scorer import TargetScorer
 
 # The head variants and the loss (docs/TRAINING.md); norm_before_residual is older and always hashed.
@@ -68,7 +69,8 @@ def hashed_params(p: dict, fsdp: bool) -> dict:
     """The params a run's identity (its params hash) records. A key at its off value hashes as before
     it existed, so older runs still resume: fsdp off (or one process), init_from unset. A warm start
     records its head's path and file digests: a replaced head starts afresh instead of resuming."""
-    hashed = {k: v for k, v in p.items() if k not in ("fsdp", "init_from")}
+    # The memory switches change no weight (ttt.recompute): a run resumes across them.
+    hashed = {k: v for k, v in p.items() if k not in ("fsdp", "init_from", *TRAIN_MEMORY_KEYS)}
     # Logging and resume-point knobs change no weight: a run resumes across them. They hash at their
     # defaults, so runs that always had the defaults keep their identity.
     defaults = section_defaults("train")
@@ -232,7 +234,8 @@ def train(
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)
     del target
     objective = Objective.from_params(p)
-    ttt = TTTModule(draft, p["ttt_steps"], make_attention(attention_impl, compiled), compiled, objective)
+    attention = make_attention(attention_impl, compiled)
+    ttt = TTTModule(draft, p["ttt_steps"], attention, compiled, objective, Recompute.from_params(p))
     if fsdp:
         ttt = shard_fsdp2(ttt, device)
     optimizer, trainable = make_optimizer(draft, p["lr"], p["weight_decay"], fused=cuda)

@@ -1,0 +1,179 @@
+"""The memory switches of a training step (eagle3build/ttt/recompute.py): `train.activation_checkpointing`
+and `train.loss_chunk_tokens` give the gradients of the step without them (fp32, the same bits or fp32
+rounding) and keep less memory live, measured by the profiler's CPU allocation events."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_model_ttt import random_samples, tiny_draft, tiny_mapping, tiny_target
+
+from eagle3build.attention.factory import make_attention
+from eagle3build.attention.merged import MathMergedAttention
+from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.ttt.batch import pack, pad_batch, with_greedy_in_draft, with_loss_rows, with_step_rows
+from eagle3build.ttt.forward import ttt_forward
+from eagle3build.ttt.loss import Objective, step_loss_weights, weighted_loss
+from eagle3build.ttt.recompute import Recompute
+from eagle3build.ttt.scorer import TargetScorer
+
+torch.set_num_threads(2)
+STEPS = 3
+CHECKPOINTED, CHUNKED, BOTH = Recompute(True, 0), Recompute(False, 6), Recompute(True, 6)
+
+
+def chat_batch(scorer, seed=6, step_rows=True):
+    """Three packed samples with prompts (no loss), loss rows and step rows as training lays them out."""
+    samples = random_samples([14, 6, 16], seed=seed)
+    for _ids, mask, _ in samples:
+        mask[:5] = False
+    batch = pad_batch(pack(samples), 8)
+    batch = with_loss_rows(with_greedy_in_draft(batch, scorer.greedy_in_draft(batch.final)), STEPS, 4)
+    return with_step_rows(batch, 4) if step_rows else batch
+
+
+def step(model, scorer, batch, attention, recompute=None, objective=None, compile=False):
+    """One training step's forward and backward (weighted loss): the per-step sums and every gradient."""
+    model.zero_grad(set_to_none=True)
+    stats = ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), STEPS, attention, compile, objective,
+                        recompute)
+    weighted_loss(stats, stats.count, step_loss_weights(STEPS, 0.8)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return stats.loss_sum.detach(), stats.correct, stats.count, grads
+
+
+def assert_same(got, expected, exact: bool):
+    """exact: the same bits; else equal to fp32 rounding of each tensor's size (sums in another order)."""
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])  # correct, count
+    pairs = [("loss_sum", got[0], expected[0])] + [(n, got[3][n], g) for n, g in expected[3].items()]
+    assert got[3].keys() == expected[3].keys()
+    for name, a, b in pairs:
+        if exact:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("attention", ["merged", "sdpa", "flash"])
+def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(attention):
+    """Each TTT step's layer recomputed in backward: the very same losses, counts and gradients, with step
+    rows (steps 1.. at the loss rows only) and without, and for the head that feeds back its normed output."""
+    attend = MathMergedAttention() if attention == "merged" else make_attention(attention)
+    model, _, scorer = tiny_draft()
+    for step_rows in (True, False):
+        batch = chat_batch(scorer, step_rows=step_rows)
+        assert_same(step(model, scorer, batch, attend, CHECKPOINTED), step(model, scorer, batch, attend), exact=True)
+    normed = copy.deepcopy(model)
+    normed.config.norm_output = True
+    batch = chat_batch(scorer)
+    assert_same(step(normed, scorer, batch, attend, CHECKPOINTED), step(normed, scorer, batch, attend), exact=True)
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "lk_hybrid"])
+def test_chunked_loss_gives_the_same_gradients(loss):
+    """The loss over chunks of loss rows (a chunk of one row, chunks of 6 that leave a shorter last one, one
+    chunk for all rows), alone and with checkpointing: the gradients of the whole-batch loss."""
+    objective = Objective.from_params({"loss": loss, "lk_eta": 3.0})
+    model, _, scorer = tiny_draft()
+    batch = chat_batch(scorer)
+    rows = len(batch.loss_rows)
+    assert rows % 6 and rows > 6  # 6 leaves a shorter last chunk
+    plain = step(model, scorer, batch, MathMergedAttention(), objective=objective)
+    for recompute in (Recompute(False, 1), CHUNKED, BOTH):
+        got = step(model, scorer, batch, MathMergedAttention(), recompute, objective)
+        assert_same(got, plain, exact=False)
+    one_chunk = step(model, scorer, batch, MathMergedAttention(), Recompute(False, rows), objective)
+    assert_same(one_chunk, plain, exact=True)  # one chunk: the same operations, recomputed
+
+
+def test_validation_without_gradients_runs_the_switches_as_plain_calls():
+    model, _, scorer = tiny_draft()
+    batch = chat_batch(scorer)
+    with torch.no_grad():
+        plain = ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), STEPS, MathMergedAttention())
+        both = ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), STEPS, MathMergedAttention(),
+                           recompute=BOTH)
+    torch.testing.assert_close(both.loss_sum, plain.loss_sum, rtol=1e-6, atol=0)
+    assert torch.equal(both.count, plain.count)
+
+
+# ------------------------------------------------------------------ memory
+def wide_draft(hidden=64, vocab=2048, draft_vocab=1536, intermediate=768):
+    """A draft whose activations and logits dwarf its weights, as at a real shape with long sequences."""
+    target = tiny_target(vocab=vocab, hidden=hidden)
+    d2t, t2d = tiny_mapping(vocab=vocab, k=draft_vocab)
+    torch.manual_seed(0)
+    config = DraftConfig.from_target(target, draft_vocab, overrides={"intermediate_size": intermediate})
+    return Eagle3Draft.from_target(config, target, d2t, t2d), TargetScorer(target, d2t, t2d)
+
+
+def peak_step_bytes(model, scorer, batch, recompute) -> int:
+    """Peak bytes the step allocates on the CPU above what was live before it (the profiler's memory
+    events in time order), forward through backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    probs = scorer.draft_probs(batch.loss_final)
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        stats = ttt_forward(model, batch, probs, STEPS, make_attention("sdpa"), recompute=recompute)
+        weighted_loss(stats, stats.count, step_loss_weights(STEPS, 0.8)).backward()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def test_each_switch_lowers_the_peak_memory_of_a_step():
+    """At 512 tokens, 3 steps: the [rows, steps, K] logits and each step's layer activations are the
+    peak's bulk; chunking the loss and checkpointing the steps each take a share of them off it."""
+    model, scorer = wide_draft()
+    g = torch.Generator().manual_seed(0)
+    n = 512
+    samples = [(torch.randint(0, 2048, (n,), generator=g), torch.ones(n, dtype=torch.bool),
+                torch.randn(n, 4, 64, generator=g))]
+    batch = with_loss_rows(with_greedy_in_draft(pack(samples), torch.ones(n, dtype=torch.bool)), STEPS, 1)
+    peaks = {name: peak_step_bytes(model, scorer, batch, r)
+             for name, r in (("plain", None), ("chunked", Recompute(False, 64)), ("checkpointed", CHECKPOINTED),
+                             ("both", Recompute(True, 64)))}
+    logits = n * STEPS * 1536 * 4  # one fp32 copy of the step's logits
+    assert peaks["chunked"] < peaks["plain"] - logits, peaks
+    assert peaks["checkpointed"] < peaks["plain"] - logits // 4, peaks
+    assert peaks["both"] < min(peaks["chunked"], peaks["checkpointed"]), peaks
+
+
+def test_the_switches_from_the_config_and_the_runs_identity():
+    """Off by default (None: the step as without them); on, a run keeps its identity (it resumes across
+    them) and the train rule carries them only away from their defaults."""
+    from eagle3build.config import section_defaults, train_rule_params
+    from eagle3build.train.loop import hashed_params, resolve_params
+
+    assert Recompute.from_params(resolve_params({})) is None
+    assert Recompute.from_params(resolve_params({"activation_checkpointing": True})) == Recompute(True, 0)
+    assert Recompute.from_params(resolve_params({"loss_chunk_tokens": 2048})) == Recompute(False, 2048)
+    on = {"epochs": 1, "activation_checkpointing": True, "loss_chunk_tokens": 2048}
+    assert hashed_params(resolve_params(on), False) == hashed_params(resolve_params({"epochs": 1}), False)
+    defaults = section_defaults("train")
+    at_defaults = {"epochs": 1, "activation_checkpointing": False, "loss_chunk_tokens": 0}
+    assert train_rule_params(at_defaults, defaults) == {"epochs": 1}
+    assert train_rule_params(on, defaults) == on
+
+
+@pytest.mark.slow
+def test_compiled_step_with_both_switches_gives_the_eager_gradients(monkeypatch):
+    """What the GPU runs (Inductor, here its CPU backend): the compiled layer halves and merge inside the
+    checkpointed steps and the compiled loss inside the checkpointed chunks (dynamic in their rows)."""
+    from eagle3build import compilation
+
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
+    monkeypatch.setattr(compilation, "COMPILED", {})
+    model, _, scorer = tiny_draft()
+    batch = chat_batch(scorer)
+    eager = step(model, scorer, batch, MathMergedAttention())
+    compiled = step(model, scorer, batch, MathMergedAttention(compile=True), BOTH, compile=True)
+    assert_same(compiled, eager, exact=False)
+    again = step(model, scorer, batch, MathMergedAttention(compile=True), BOTH, compile=True)  # cached kernels
+    assert_same(again, compiled, exact=True)
