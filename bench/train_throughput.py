@@ -5,6 +5,9 @@
     python bench/train_throughput.py --seq 4096 --steps 17 --variants compiled --no-check \
         --peers $OUT/anchor_results.jsonl --out $OUT/train_throughput.json               # ours, with the ratio
     python bench/train_throughput.py --preset tiny --seq 256 --device cpu                # smoke run
+    python bench/train_throughput.py --preset kimi --seq 4096 8192 16384 --no-check \
+        --activation-checkpointing --loss-chunk-tokens 2048                              # long sequences
+    python bench/train_throughput.py --preset kimi --seq 4096 8192 16384 32768 --dry     # the memory plan only
 
 One step is what `eagle3build.train.loop` does per micro-batch: the target's draft-vocab distribution
 (`TargetScorer.draft_probs`), the k-step TTT forward, the normalised weighted loss, backward, grad
@@ -17,7 +20,7 @@ row at steps 1.. for comparison), the same batch every step, so the loss must fa
 
 Reported per sequence length: tokens/s (mean over the timed steps), model-FLOPs utilisation against
 an 8192^3 bf16 matmul timed in the same process (FLOPs counted as peer-train-bench counts them),
-peak allocated memory, the loss of every step, and, once, the agreement of the fast path (compiled,
+peak allocated memory (beside the estimate of `memory_estimate`), the loss of every step, and, once, the agreement of the fast path (compiled,
 flex + LSE merge) with the dense `sdpa` path on the same weights (loss and gradients, bf16).
 """
 
@@ -50,6 +53,7 @@ from eagle3build.train.optim import clipped_step  # noqa: E402
 from eagle3build.ttt.batch import PackedBatch, with_loss_rows, with_step_rows  # noqa: E402
 from eagle3build.ttt.forward import ttt_forward  # noqa: E402
 from eagle3build.ttt.loss import step_loss_weights, weighted_loss  # noqa: E402
+from eagle3build.ttt.recompute import Recompute  # noqa: E402
 from eagle3build.ttt.scorer import TargetScorer  # noqa: E402
 
 PRESETS = {
@@ -59,6 +63,14 @@ PRESETS = {
     ),
     # SmolLM2-135M-Instruct's layer shape with a 32k draft vocab (the quality benchmark's head)
     "smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, draft_vocab=32000),
+    # Kimi-K2.5's width and vocab with a Llama-style draft layer: 56 query / 8 KV heads x 128 and the
+    # target's dense intermediate size (peer-train-bench's `kimi` preset); kimi64: 64 query heads
+    "kimi": dict(
+        hidden=7168, heads=56, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000
+    ),
+    "kimi64": dict(
+        hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000
+    ),
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128),
 }
 
@@ -155,6 +167,49 @@ def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
     )
 
 
+def memory_estimate(
+    shape: dict, T: int, ttt: int, loss_fraction: float = 1.0, checkpointing: bool = False, loss_chunk: int = 0
+) -> dict:
+    """Estimated peak GPU memory of one training step (GiB, by part): the bench's step under bf16
+    autocast, compiled (docs/TRAINING.md, "Memory"). An estimate, to plan runs: the step measures its peak.
+
+    static: fp32 weights and AdamW moments of the P trainable weights (12 P bytes), their bf16 copy for
+      the step (2 P), the frozen embedding (fp32, 4 V H), the scorer's bf16 lm_head (2 V H) and its draft
+      rows (2 K H); of the fp32 gradients (4 P) only lm_head's (4 K H) exists at the peak, the start of
+      backward: the others are allocated as backward frees activations (the step sets them to None).
+    layers: per TTT step, what backward keeps: at each computed row (T at step 0, the M loss rows after)
+      its input, attention output, residual sum and gate/up (2 (2 H + nh hd + 2 I) bytes), at every
+      token q, output, k, v and the log-sum-exp (2 (2 nh hd + 2 nkv hd) + 4 nh); Inductor recomputes the
+      norms, RoPE and SiLU. Checkpointed: each step's output and keys/values (2 (H + 2 nkv hd)), plus one
+      step's activations while backward recomputes it.
+    loss: the [M, k, H] states and their normed copy (4 H per row and step) and the [rows, k, K] logits
+      with their gradient, bf16 (4 K per row and step), over all M rows or one chunk of loss_chunk.
+    data: aux and final states, the embedding half of q/k/v (bf16) and the target distribution (fp32 M K).
+    The peak is at the start of backward (the parts above) or at its end, where the k steps' bf16 gradients
+    of the per-step weight aliases (ttt.weight_aliases: 2 k P_layer) are held until step 0's backward, beside
+    step 0's activations (`backward_end`): with the switches on, at short lengths, the end is the peak.
+    """
+    H, nh, nkv, hd = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    inter, K, V = shape["intermediate"], shape["draft_vocab"], shape["vocab"]
+    q, kv = nh * hd, nkv * hd
+    params = 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * inter + K * H
+    static = 14 * params + 4 * V * H + 2 * (V + K) * H + 4 * K * H
+    M = min(T, math.ceil(loss_fraction * T))
+    rows = T + (ttt - 1) * M  # rows computed over all steps
+    row, token = 2 * (2 * H + q + 2 * inter), 2 * (2 * q + 2 * kv) + 4 * nh
+    if checkpointing:
+        layers = rows * 2 * (H + 2 * kv) + T * (row + token)
+    else:
+        layers = rows * row + ttt * T * token
+    loss = M * ttt * 4 * H + min(M, loss_chunk or M) * ttt * 4 * K
+    data = T * (8 * H + 2 * (q + 2 * kv)) + M * 4 * K
+    parts = dict(static=static, layers=layers, loss=loss, data=data)
+    aliased = H * (q + 2 * kv) + q * H + 3 * H * inter  # the weights every step's layer reads
+    end = static + 2 * ttt * aliased + T * (row + token) + data
+    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
+    return {**gib, "backward_end": round(end / 2**30, 2), "total": round(max(sum(parts.values()), end) / 2**30, 2)}
+
+
 def build(
     shape: dict, T: int, device, seed: int = 0, loss_fraction: float = 1.0, ttt: int = 7, step_rows: bool = True
 ):
@@ -207,11 +262,12 @@ def build(
     return draft, scorer, batch.to(device)
 
 
-def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast):
+def loss_and_grads(draft, scorer, batch, attention, ttt, compile, autocast, recompute=None):
     """One TTT forward + backward; returns per-step mean losses and the gradients (no update)."""
     draft.zero_grad(set_to_none=True)
     with autocast:
-        stats = ttt_forward(draft, batch, scorer.draft_probs(batch.loss_final), ttt, attention, compile=compile)
+        stats = ttt_forward(draft, batch, scorer.draft_probs(batch.loss_final), ttt, attention, compile=compile,
+                            recompute=recompute)
         loss = weighted_loss(stats, stats.count, step_loss_weights(ttt, 0.8, batch.aux.device))
     loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in draft.named_parameters() if p.grad is not None}
@@ -224,9 +280,10 @@ def relative_grad_diffs(grads: dict, reference: dict) -> dict[str, float]:
     return {n: float((grads[n] - r).norm() / r.norm().clamp(min=1e-30)) for n, r in reference.items()}
 
 
-def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, autocast) -> dict:
-    """Fast path vs the dense-mask sdpa path, same weights and batch (both bf16 autocast on GPU)."""
-    fast_loss, fast_grads = loss_and_grads(draft, scorer, batch, fast_attention, ttt, compile, autocast)
+def check_against_dense(draft, scorer, batch, fast_attention, ttt, compile, autocast, recompute=None) -> dict:
+    """Fast path (with the memory switches, if any) vs the dense-mask sdpa path without them, same weights
+    and batch (both bf16 autocast on GPU)."""
+    fast_loss, fast_grads = loss_and_grads(draft, scorer, batch, fast_attention, ttt, compile, autocast, recompute)
     dense_loss, dense_grads = loss_and_grads(
         draft, scorer, batch, make_attention("sdpa"), ttt, False, autocast
     )
@@ -273,7 +330,9 @@ def profile_step(step, device, path: Path) -> str:
 def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path | None) -> dict:
     """variant: 'compiled' (flex + compiled layer halves and loss) or 'flex-only' (only flex compiled)."""
     cuda = device.type == "cuda"
-    result = dict(T=T, ttt=args.ttt, variant=variant, ok=False)
+    result = dict(T=T, ttt=args.ttt, variant=variant, ok=False, **memory_switches(args, shape, T))
+    recompute = Recompute(args.activation_checkpointing, args.loss_chunk_tokens)
+    recompute = recompute if recompute.steps or recompute.loss_chunk else None
     t_start = time.perf_counter()
     try:
         if cuda:
@@ -298,7 +357,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         weights = step_loss_weights(args.ttt, 0.8, device)
         if args.check:
             result["check_vs_dense_sdpa"] = check_against_dense(
-                draft, scorer, batch, attention, args.ttt, compile_rest, autocast
+                draft, scorer, batch, attention, args.ttt, compile_rest, autocast, recompute
             )
         trainable = [p for p in draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), fused=cuda)
@@ -306,7 +365,8 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         def step() -> torch.Tensor:
             with autocast:
                 stats = ttt_forward(
-                    draft, batch, scorer.draft_probs(batch.loss_final), args.ttt, attention, compile=compile_rest
+                    draft, batch, scorer.draft_probs(batch.loss_final), args.ttt, attention, compile=compile_rest,
+                    recompute=recompute,
                 )
                 loss = weighted_loss(stats, stats.count, weights)
             loss.backward()
@@ -356,6 +416,26 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
     return result
 
 
+def memory_switches(args, shape: dict, T: int) -> dict:
+    """A result's memory switches and its estimated peak (memory_estimate, GiB)."""
+    estimate = memory_estimate(shape, T, args.ttt, args.loss_fraction, args.activation_checkpointing,
+                               args.loss_chunk_tokens)
+    return dict(activation_checkpointing=args.activation_checkpointing, loss_chunk_tokens=args.loss_chunk_tokens,
+                peak_estimate_gib=estimate)
+
+
+def dry_run(args, shape: dict) -> int:
+    """--dry: each length's estimated peak with the switches as given, and with each switch, no device work."""
+    for T in args.seq:
+        row = {"T": T, **memory_switches(args, shape, T)}
+        for name, ckpt, chunk in (("plain", False, 0), ("checkpointing", True, 0),
+                                  ("chunked_loss", False, args.loss_chunk_tokens or 2048),
+                                  ("both", True, args.loss_chunk_tokens or 2048)):
+            row[f"estimate_{name}_gib"] = memory_estimate(shape, T, args.ttt, args.loss_fraction, ckpt, chunk)["total"]
+        print(json.dumps(row), flush=True)
+    return 0
+
+
 PEER_KEYS = ("tokens_per_s", "step_ms_mean", "step_ms_median", "step_ms_min", "mfu", "peak_mem_timed_gib",
              "loss_first", "loss_last", "warmup_s", "torch", "source", "speculators_version", "sliding_window",
              "attention_backend", "compute")
@@ -402,6 +482,12 @@ def main() -> int:
     ap.add_argument("--no-step-rows", dest="step_rows", action="store_false",
                     help="TTT steps 1.. compute every row, not only the rows with a loss there")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each TTT step's layer in backward (train.activation_checkpointing)")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="ROWS",
+                    help="the loss over chunks of ROWS loss rows (train.loss_chunk_tokens; 0: all at once)")
+    ap.add_argument("--dry", action="store_true",
+                    help="print the estimated peak memory of each length (memory_estimate) and run nothing")
     ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
     ap.add_argument("--attention", default="flex", choices=["flex", *KERNELS],
                     help="the causal attention's kernel: flex, or torch's varlen flash (attention/kernel.py)")
@@ -417,8 +503,10 @@ def main() -> int:
     args = ap.parse_args()
     from results import cpu_device
 
-    device = torch.device(args.device)
     shape = PRESETS[args.preset]
+    if args.dry:
+        return dry_run(args, shape)
+    device = torch.device(args.device)
     out_dir = Path(args.profile) if args.profile else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -455,9 +543,11 @@ def main() -> int:
         save(report, args)
     ok = [r for r in report["results"] if r["ok"]]
     for r in ok:
+        switches = ("" if not r["activation_checkpointing"] else " checkpointed") + (
+            f" loss chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "")
         print(
-            f"T={r['T']} {r['variant']}: {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, "
-            f"peak {r.get('peak_mem_gib', math.nan):.1f} GiB, loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+            f"T={r['T']} {r['variant']}{switches}: {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, "
+            f"peak {r.get('peak_mem_gib', math.nan):.1f} GiB (estimate {r['peak_estimate_gib']['total']:.1f}), loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
             + (f", SM clock {c['sm_mhz_mean']} MHz at {c['power_w_mean']} W" if (c := r.get("gpu_clocks")) else "")
         )
     return 0 if ok else 1

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,7 +56,54 @@ def test_sharegpt_roles_tools_and_function_calls(tmp_path):
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
     ]
     assert conv["messages"][3]["content"] == '{"temp": 3}'
-    assert conv["tools"] == [{"name": "get_weather", "parameters": {}}]
+    # stored in OpenAI's form, as vLLM validates and renders it (eagle3build/data/tools.py)
+    assert conv["tools"] == [
+        {"type": "function", "function": {"name": "get_weather", "description": None, "parameters": {}}}
+    ]
+
+
+def test_tool_definitions_in_every_shape_become_vllms_form():
+    from eagle3build.data.tools import ToolError, openai_tools
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    expected = {"type": "function", "function": {"name": "f", "description": "d", "parameters": schema}}
+    bare = {"name": "f", "description": "d", "parameters": schema}
+    shapes = [
+        [expected],  # OpenAI's form, as is
+        [{"function": bare}],  # "type" left out, as vLLM allows
+        [bare],  # glaive / LLaMA-Factory / xLAM
+        [{"type": "function", **bare}],  # the Responses API's flat form
+        json.dumps([bare]),  # the whole list as a JSON string
+        [json.dumps(bare)],  # one tool as a JSON string
+        [{**bare, "parameters": json.dumps(schema)}],  # the schema as a JSON string
+        [{**bare, "function": None, "type": None}],  # an Arrow row of mixed shapes
+        bare,  # one tool, not in a list
+    ]
+    for tools in shapes:
+        assert openai_tools(tools) == [expected], tools
+    # model_dump()'s key order (templates write tools with tojson): declared fields, absent ones as None,
+    # "strict" only when set, then extra keys
+    [tool] = openai_tools([{"x-extra": 1, "name": "g", "strict": True}])
+    assert list(tool) == ["type", "function"]
+    assert list(tool["function"].items()) == [
+        ("name", "g"), ("description", None), ("parameters", None), ("strict", True), ("x-extra", 1)]
+    assert openai_tools(openai_tools([tool])) == [tool]  # idempotent: the tokens stage renders stored tools
+    assert openai_tools("[]") is None and openai_tools(None) is None
+    for bad, words in [
+        ([{"description": "no name"}], "tools[0] has no function name"),
+        ([{"type": "custom", "name": "f"}], "only 'function' tools"),
+        ([{"name": "f", "parameters": [1]}], "'parameters' must be a JSON schema object"),
+        ("{not json", "is a string but not JSON"),
+    ]:
+        with pytest.raises(ToolError, match=re.escape(words)):
+            openai_tools(bad)
+
+
+def test_bad_tool_definition_names_the_record(tmp_path):
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}],
+              "tools": json.dumps([{"description": "nameless"}])}
+    with pytest.raises(UserError, match=r"b\.jsonl line 1: field 'tools': tools\[0\] has no function name"):
+        conversations(write_jsonl(tmp_path / "b.jsonl", [record]))
 
 
 def test_sharegpt_dpo_uses_chosen(tmp_path):

@@ -131,6 +131,25 @@ def test_template_errors_drop_samples_or_fail_the_shard(tmp_path):
     assert not (tmp_path / "u.safetensors").exists() and not (tmp_path / "u.json").exists()
 
 
+def test_tools_render_in_vllms_form_and_bad_ones_drop_the_sample(tmp_path):
+    """A shard written before tools were normalised (glaive's bare {name, ...}): the template gets each
+    tool as vLLM renders it while the target answers; a tool without a name drops only its sample."""
+    from transformers import AutoTokenizer
+
+    tokenizer = tokenizer_config()
+    bare = {"name": "search_recipes", "description": "Find recipes", "parameters": {"type": "object"}}
+    good = {**chat(("user", "a recipe?"), ("assistant", "Try rice.")), "tools": json.dumps([bare])}
+    bad = {**chat(("user", "a recipe?"), ("assistant", "Try rice.")), "tools": [{"description": "no name"}]}
+    path = write_conversations(tmp_path / "c.jsonl", [good, bad])
+    report = tokenize_shard(path, str(tmp_path / "t.safetensors"), str(tmp_path / "t.json"), tokenizer, 512)
+    assert report["samples_kept"] == 1 and report["dropped"] == {"bad_tools": 1}
+    assert report["dropped_examples"][0]["id"] == "t:1"
+    assert "tools[0] has no function name" in report["dropped_examples"][0]["detail"]
+    qwen3 = AutoTokenizer.from_pretrained(str(QWEN3))
+    text = qwen3.decode(read_tokens(tmp_path / "t.safetensors").sample(0)[0].tolist())
+    assert json.dumps({"type": "function", "function": {**bare}}, ensure_ascii=False) in text
+
+
 def test_format_sample_marks_trained_runs():
     pieces = ["<s>", "Q", ":", " hi", "A", ":", " yo", "</s>"]
     mask = [0, 0, 0, 0, 0, 0, 1, 1]

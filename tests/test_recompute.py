@@ -140,8 +140,8 @@ def test_each_switch_lowers_the_peak_memory_of_a_step():
              for name, r in (("plain", None), ("chunked", Recompute(False, 64)), ("checkpointed", CHECKPOINTED),
                              ("both", Recompute(True, 64)))}
     logits = n * STEPS * 1536 * 4  # one fp32 copy of the step's logits
-    assert peaks["chunked"] < peaks["plain"] - logits, peaks
-    assert peaks["checkpointed"] < peaks["plain"] - logits // 4, peaks
+    assert peaks["chunked"] < peaks["plain"] - 2 * logits, peaks
+    assert peaks["checkpointed"] < peaks["plain"] - 2 * logits, peaks
     assert peaks["both"] < min(peaks["chunked"], peaks["checkpointed"]), peaks
 
 

@@ -20,6 +20,11 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES = SHARED / "assets" / "models" / "stories260K"
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# as vLLM validates and renders them (ChatCompletionToolsParam.model_dump()): what is sent and kept
+SENT_TOOLS = [
+    {"type": "function",
+     "function": {"name": "get_weather", "description": None, "parameters": {"type": "object"}}}
+]
 CONVERSATIONS = [
     {
         "id": "chat:0",
@@ -93,11 +98,11 @@ def test_multi_turn_replay_uses_generated_answers_as_context(tmp_path):
     # The target answered without the dataset's tool call: its results are skipped, the next user
     # turn continues the conversation.
     tool = out[2]
-    assert tool["tools"] == TOOLS
+    assert tool["tools"] == SENT_TOOLS
     assert [m["role"] for m in tool["messages"]] == ["user", "assistant", "user", "assistant"]
     assert "sunny" not in json.dumps(tool)
     tool_requests = [r for r in server.requests if r["messages"][0]["content"] == "weather in Paris?"]
-    assert tool_requests[0]["tools"] == TOOLS
+    assert tool_requests[0]["tools"] == SENT_TOOLS
     assert report["samples"] == 4
     assert (report["ok"], report["failed"], report["skipped"], report["truncated"]) == (3, 0, 1, 0)
     assert report["stopped_at_tool_call"] == 0 and report["tool_results_replayed"] == 0
@@ -249,6 +254,140 @@ def test_wrong_model_name_is_a_user_error(tmp_path):
     with FakeOpenAIServer() as server:
         with pytest.raises(UserError, match="regenerate.model"):
             run(tmp_path, CONVERSATIONS[:1], openai_params(server, model="other"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# tools: LLaMA-Factory's glaive_toolcall_en_demo.json writes bare {name, description, parameters} as a
+# JSON string; vLLM takes only OpenAI's {"type": "function", "function": {...}}
+
+
+GLAIVE_TOOLS = [{
+    "name": "search_recipes",
+    "description": "Search for recipes based on ingredients",
+    "parameters": {
+        "type": "object",
+        "properties": {"ingredients": {"type": "array", "items": {"type": "string"}}},
+        "required": ["ingredients"],
+    },
+}]
+GLAIVE_RECORD = {
+    "conversations": [
+        {"from": "human", "value": "I have chicken and rice. Can you find a recipe?"},
+        {"from": "function_call",
+         "value": json.dumps({"name": "search_recipes", "arguments": {"ingredients": ["chicken", "rice"]}})},
+        {"from": "observation", "value": '{"recipes": ["Chicken fried rice"]}'},
+        {"from": "gpt", "value": "Try chicken fried rice."},
+        {"from": "human", "value": "thanks"},
+        {"from": "gpt", "value": "You're welcome."},
+    ],
+    "tools": json.dumps(GLAIVE_TOOLS),
+}
+OPENAI_GLAIVE_TOOLS = [{"type": "function", "function": GLAIVE_TOOLS[0]}]
+
+
+def glaive_samples() -> list[dict]:
+    """The record as the split stage writes it, and as a shard written before tools were normalised."""
+    from eagle3build.data.formats import Record, normalize
+
+    split, _ = normalize(Record(GLAIVE_RECORD, "glaive_toolcall_en_demo.json record 0"), "sharegpt")
+    return [{"id": "glaive:0", **split}, {"id": "glaive:1", "messages": split["messages"],
+                                          "tools": GLAIVE_RECORD["tools"]}]
+
+
+class RecordingTemplate:
+    """A tokenizer stand-in whose template writes the tools and tool calls as JSON, as tool templates do."""
+
+    def __init__(self):
+        self.seen: list[tuple[list, list | None]] = []
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=False):
+        self.seen.append((messages, tools))
+        turns = "".join(f"<{m['role']}>{m['content']}{json.dumps(m.get('tool_calls'))}</s>" for m in messages)
+        return json.dumps(tools) + turns + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_glaive_tools_reach_vllm_and_the_template_in_openai_form(tmp_path):
+    from eagle3build.data.chat import render_conversation
+
+    assert glaive_samples()[0]["tools"] == OPENAI_GLAIVE_TOOLS  # the split stage stores OpenAI's form
+    with FakeOpenAIServer() as server:
+        server.tool_call_when, server.tool_name = "recipe", "search_recipes"
+        out, report = run(tmp_path, glaive_samples(), openai_params(server, max_failed_fraction=0.0))
+    assert (report["ok"], report["failed"], report["tool_results_replayed"]) == (2, 0, 2)
+    assert all(r["tools"] == OPENAI_GLAIVE_TOOLS and "tool_choice" not in r for r in server.requests)
+    for sample in out:
+        messages = sample["messages"]
+        assert sample["tools"] == OPENAI_GLAIVE_TOOLS
+        roles = [m["role"] for m in messages]
+        assert roles == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+        assert messages[2]["content"] == '{"recipes": ["Chicken fried rice"]}'
+        assert messages[3]["content"] == 'tool said: {"recipes": ["Chicken fried rice"]}'
+        # the tokens stage renders what the target was sent: the same tools, the call's arguments parsed
+        # from JSON as vLLM hands them to the template
+        template = RecordingTemplate()
+        render_conversation(template, sample, specials=())
+        assert all(tools == OPENAI_GLAIVE_TOOLS for _, tools in template.seen)
+        sent_call = messages[1]["tool_calls"][0]["function"]
+        rendered_call = template.seen[0][0][1]["tool_calls"][0]["function"]
+        assert rendered_call == {**sent_call, "arguments": json.loads(sent_call["arguments"])}
+
+
+def test_server_without_tool_parser_is_asked_with_tool_choice_none(tmp_path, capsys):
+    [sample, _] = glaive_samples()
+    with FakeOpenAIServer() as server:  # `vllm serve MODEL`: no --enable-auto-tool-choice
+        out, report = run(tmp_path, [sample], openai_params(server, max_failed_fraction=0.0))
+    assert (report["ok"], report["failed"]) == (1, 0)
+    # the first request took vLLM's default ("auto") and was refused; it and every later one go with "none"
+    assert [r.get("tool_choice") for r in server.requests] == [None, "none", "none"]
+    assert all(r["tools"] == OPENAI_GLAIVE_TOOLS for r in server.requests)
+    assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert "parses no tool calls" in capsys.readouterr().err
+
+
+def test_tool_definition_without_a_name_fails_only_its_sample(tmp_path):
+    good, bad = glaive_samples()
+    bad = {**bad, "tools": json.dumps([{"description": "a tool without a name"}])}
+    with FakeOpenAIServer() as server:
+        server.tool_call_when, server.tool_name = "recipe", "search_recipes"
+        out, report = run(tmp_path, [good, bad], openai_params(server, max_failed_fraction=0.5))
+        assert [s["id"] for s in out] == ["glaive:0"] and report["failed"] == 1
+        [error] = report["errors"]
+        assert error["id"] == "glaive:1" and "tools[0] has no function name" in error["error"]
+        assert len(server.requests) == 3  # the good sample's call, answer after its result, turn 2; no other
+        with pytest.raises(UserError, match=r"sample 'glaive:1': field 'tools': tools\[0\]"):
+            run(tmp_path, [bad], openai_params(server, max_failed_fraction=0.0))
+
+
+def test_fake_server_refuses_bare_tools_as_vllm_does():
+    import requests
+
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "tools": GLAIVE_TOOLS}
+    with FakeOpenAIServer() as server:
+        reply = requests.post(server.url + "/v1/chat/completions", json=body, timeout=5)
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == ("Bad Request", "body.tools.0.function", 400)
+        # the words vLLM 0.25.0 answered the glaive file with
+        assert error["message"].startswith(
+            "1 validation error:\n  {'type': 'missing', 'loc': ('body', 'tools', 0, 'function'), "
+            "'msg': 'Field required', 'input': {'name': 'search_recipes'"
+        )
+        url = server.url + "/v1/chat/completions"
+        wrong_model = requests.post(url, json={**body, "model": "x"}, timeout=5)
+        no_parser = requests.post(url, json={**body, "tools": OPENAI_GLAIVE_TOOLS}, timeout=5)
+        hot = requests.post(url, json={**body, "tools": None, "temperature": 2.5}, timeout=5)
+    assert wrong_model.status_code == 400  # the body is checked before the model
+    assert no_parser.status_code == 400
+    assert no_parser.json()["error"]["message"].startswith('"auto" tool choice requires')
+    assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
+
+
+def test_temperature_out_of_server_range_is_a_config_error(tmp_path):
+    from eagle3build.errors import ConfigError
+
+    with FakeOpenAIServer() as server, pytest.raises(ConfigError, match="regenerate.temperature"):
+        run(tmp_path, CONVERSATIONS[1:2], openai_params(server, temperature=2.5))
+    assert not server.requests
 
 
 # ---------------------------------------------------------------------------------------------------

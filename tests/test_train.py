@@ -418,3 +418,14 @@ def test_clipped_step_clips_the_usual_way_where_adamw_ignores_grad_scale(monkeyp
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     monkeypatch.setattr(optim, "_GRAD_SCALE_READ", {})
     assert optim.fused_adamw_reads_grad_scale(torch.device("cpu"))
+
+
+def test_memory_switches_train_the_same_weights_and_keep_the_run(inputs, tmp_path):
+    """train.activation_checkpointing (the same bits) and train.loss_chunk_tokens (fp32 rounding) train the
+    plain run's weights, under the plain run's identity."""
+    plain, out_a, _ = run(inputs, tmp_path / "a", epochs=1)
+    switched, out_b, _ = run(inputs, tmp_path / "b", epochs=1, activation_checkpointing=True, loss_chunk_tokens=7)
+    assert switched["params_hash"] == plain["params_hash"]
+    wa, wb = load_file(str(out_a / "draft.safetensors")), load_file(str(out_b / "draft.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=k)

@@ -26,7 +26,9 @@ built from token ids, by tokenizing the text up to each span boundary (`token_sp
 Thinking: an assistant message's `reasoning_content` goes to the template on the message, and the
 template renders it as the target does; `conversation_samples` applies prepare.thinking.
 
-Tool calls are passed to the template in OpenAI form. Templates without tool support drop them silently;
+Tools and tool calls reach the template as vLLM hands them to it when the target answers (OpenAI form,
+call arguments parsed from JSON: eagle3build/data/tools.py), so the tool text trained on is the text the
+target read while regenerating. Templates without tool support drop tool calls silently;
 when a call's function name is missing from its rendered turn, the conversation is rendered again with
 each call written as JSON text in the assistant's content, so the call is still trained on.
 """
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3build.data.tools import openai_tools, template_messages
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.trust import check_trust, target_path, trusted
 
@@ -214,8 +217,9 @@ class Rendered:
 
 
 def render_conversation(tokenizer, conversation: dict, specials: tuple[str, ...] | None = None) -> Rendered:
-    """Render a normalized conversation and locate its assistant turns (see the module docstring)."""
-    messages, tools = conversation["messages"], conversation.get("tools")
+    """Render a normalized conversation and locate its assistant turns (see the module docstring).
+    A tool definition that cannot be put in OpenAI form raises ToolError."""
+    messages, tools = template_messages(conversation["messages"]), openai_tools(conversation.get("tools"))
     text, spans = assistant_spans(tokenizer, messages, tools, specials)
     called = [
         (message, span)

@@ -144,8 +144,9 @@ def tokenize_shard(
     `tokenizer` = {"path", "revision", "trust_remote_code", "chat_template" (file or None)}; `thinking`:
     prepare.thinking (None: the schema's default; eagle3build.data.chat.conversation_samples). Samples
     longer than max_length are truncated; samples without an assistant turn, without loss tokens after
-    truncation, that the chat template rejects, or whose mask boundary falls inside a token (token-id
-    path of tokenizers without offsets) are dropped and counted by reason.
+    truncation, that the chat template rejects, whose tools cannot be put in OpenAI form ("bad_tools"), or
+    whose mask boundary falls inside a token (token-id path of tokenizers without offsets) are dropped and
+    counted by reason.
     """
     import torch
 
@@ -158,6 +159,7 @@ def tokenize_shard(
         load_tokenizer,
         special_tokens,
     )
+    from eagle3build.data.tools import ToolError
     from eagle3build.shards import write_tokens
 
     if max_length < 2:
@@ -202,8 +204,8 @@ def tokenize_shard(
             continue
         try:
             items = conversation_samples(tok, conversation, thinking, specials)
-        except TemplateError as e:
-            drop(conversation, "template_error", str(e))
+        except (TemplateError, ToolError) as e:
+            drop(conversation, "bad_tools" if isinstance(e, ToolError) else "template_error", str(e))
             continue
         except UserError as e:
             raise UserError(f"{conv_path} conversation {conversation.get('id')}: {e}") from e

@@ -21,7 +21,10 @@ reasoning is trained is the tokens stage's choice (prepare.thinking).
 Tool calls (eagle3build/data/replay.py): when the target's answer calls the tools the dataset's turn
 called (by position and name), the dataset's tool results are replayed and the target continues;
 otherwise the conversation stops at that call (counted as `stopped_at_tool_call`). The openai backend
-gets the calls from the server's tool parser; the hf backend has none (calls stay text in the answer).
+gets the calls from the server's tool parser; the hf backend has none (calls stay text in the answer), nor
+has a server started without one (engine/openai.py then asks with tool_choice "none"). Tool definitions
+are sent, rendered and written in the one form of eagle3build/data/tools.py; a sample whose definitions
+cannot be put in that form fails on its own (counted, named in the report), before any request.
 A conversation whose generation fails is dropped from the output and counted, never kept with its old
 answers.
 """
@@ -42,7 +45,8 @@ from eagle3build.config import resolve_section
 from eagle3build.data.chat import load_target_tokenizer
 from eagle3build.data.formats import iter_jsonl
 from eagle3build.data.replay import PartialFile, Replay
-from eagle3build.errors import UserError
+from eagle3build.data.tools import ToolError, openai_tools, template_messages
+from eagle3build.errors import ConfigError, UserError
 from eagle3build.hf_target import eos_token_ids, load_target_model, resolve_device, target_path
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +96,9 @@ class HFBackend:
         return self.model_name
 
     def encode(self, messages: list[dict], tools: list | None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
@@ -194,6 +200,11 @@ class OpenAIBackend:
         from eagle3build.engine.openai import ChatClient
 
         self.params = params
+        if float(params["temperature"]) > 2:  # vLLM's SamplingParams: HTTP 400 for every request
+            raise ConfigError(
+                "regenerate.temperature",
+                f"is {params['temperature']}; OpenAI-compatible servers (vLLM) accept 0 to 2",
+            )
         self.client = ChatClient(
             params["url"],
             model=params["model"],
@@ -246,6 +257,15 @@ class OpenAIBackend:
 # Stage entry point
 
 
+def with_openai_tools(sample: dict) -> dict:
+    """The sample with its tools in OpenAI's form (data/tools.py), as servers validate them and templates
+    render them: what is sent is what the output keeps for the tokens stage. ToolError when they cannot be."""
+    if "tools" not in sample:
+        return sample
+    tools = openai_tools(sample["tools"])
+    return {**sample, "tools": tools} if tools else {k: v for k, v in sample.items() if k != "tools"}
+
+
 def read_conversations(path: str) -> list[dict]:
     samples = []
     for record in iter_jsonl(path):
@@ -278,13 +298,18 @@ def regenerate_shard(in_path: str, out_path: str, out_report: str, target: dict,
     partial = PartialFile(out_path + ".partial.jsonl", _fingerprint(in_path, target, params))
     done, progress = partial.load()
     resumed, resumed_turns = len(done), sum(state["turns_done"] for state in progress.values())
-    pending = {
-        i: Replay(s).restore(progress[i]) if i in progress else Replay(s)
-        for i, s in enumerate(samples)
-        if i not in done and i not in skipped
-    }
-
     errors: dict[int, str] = {}
+    pending = {}
+    for i, sample in enumerate(samples):
+        if i in done or i in skipped:
+            continue
+        try:  # a definition no server accepts fails its conversation here, not as an HTTP 400
+            replay = Replay(with_openai_tools(sample))
+        except ToolError as e:
+            errors[i] = f"field 'tools': {e}"
+            continue
+        pending[i] = replay.restore(progress[i]) if i in progress else replay
+
     if pending:
         backend = HFBackend(target, params) if params["backend"] == "hf" else OpenAIBackend(params)
         description = backend.description
@@ -333,8 +358,8 @@ def regenerate_shard(in_path: str, out_path: str, out_report: str, target: dict,
         raise UserError(
             f"{in_path}: {len(errors)} of {attempted} conversations failed (more than "
             f"regenerate.max_failed_fraction = {params['max_failed_fraction']}); first: sample "
-            f"{first['id']!r}: {first['error']}. Fix the server and rerun: finished conversations are kept "
-            f"in {partial.path}"
+            f"{first['id']!r}: {first['error']}. Fix that (the server, or the sample's data) and rerun: "
+            f"finished conversations are kept in {partial.path}"
         )
     with atomic_path(out_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for sample in kept:

@@ -8,10 +8,16 @@ that are not a chat completion; other 4xx answers fail at once.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from dataclasses import dataclass
 
 from eagle3build.engine.http import GaveUp, HttpError, JsonClient, Rejected, with_retries
 from eagle3build.errors import UserError
+
+# vLLM's answer (renderers/online_renderer.py, 0.25.0) to tools with tool_choice "auto", the default, on a
+# server started without a tool parser
+NO_TOOL_PARSER = '"auto" tool choice requires --enable-auto-tool-choice'
 
 
 class RequestFailed(Exception):
@@ -58,6 +64,8 @@ class ChatClient:
         api_key = os.environ.get(api_key_env) if api_key_env else None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = JsonClient(self.base_url, timeout_s, headers)
+        self.tool_choice: str | None = None  # None: the server's default ("auto" in vLLM when tools are sent)
+        self._lock = threading.Lock()
 
     def served_models(self) -> list[str]:
         """The model names the server serves; a UserError when nothing answers at base_url."""
@@ -89,14 +97,44 @@ class ChatClient:
         return self.model
 
     def chat(self, messages: list[dict], tools: list | None = None, **sampling) -> ChatAnswer:
-        """One chat completion; `sampling` goes into the request body (temperature, max_tokens, seed...)."""
+        """One chat completion; `sampling` goes into the request body (temperature, max_tokens, seed...).
+
+        `tools` go as given: OpenAI's form, [{"type": "function", "function": {...}}] (vLLM answers
+        anything else with HTTP 400; eagle3build/data/tools.py writes it). With tools, vLLM's tool_choice
+        defaults to "auto", which a server started without --enable-auto-tool-choice and
+        --tool-call-parser refuses (HTTP 400): the request is then sent again with tool_choice "none",
+        and so is every later one. The template still renders the tools (unless the server runs with
+        --exclude-tools-when-tool-choice-none); the target's calls stay text in its answers."""
         body = {"model": self.model, "messages": messages, **sampling}
         if tools:
             body["tools"] = tools
+            if self.tool_choice is not None:
+                body["tool_choice"] = self.tool_choice
         try:
-            return with_retries(
-                lambda: self.http.post_json("/v1/chat/completions", body, _chat_answer, "a chat completion"),
-                self.max_retries, self.backoff_s, jitter=True,
-            )
+            try:
+                return self._complete(body)
+            except Rejected as e:
+                if not (tools and "tool_choice" not in body and NO_TOOL_PARSER in e.message):
+                    raise
+                self._without_tool_parser(e.message)
+                return self._complete({**body, "tool_choice": "none"})
         except (GaveUp, Rejected) as e:
             raise RequestFailed(str(e)) from e
+
+    def _complete(self, body: dict) -> ChatAnswer:
+        return with_retries(
+            lambda: self.http.post_json("/v1/chat/completions", body, _chat_answer, "a chat completion"),
+            self.max_retries, self.backoff_s, jitter=True,
+        )
+
+    def _without_tool_parser(self, message: str) -> None:
+        with self._lock:
+            if self.tool_choice is None:
+                self.tool_choice = "none"
+                print(
+                    f"regenerate: {self.base_url} parses no tool calls ({message}); asking with tool_choice "
+                    "\"none\": the target's tool calls stay text in its answers and no tool result is "
+                    "replayed. Serve with --enable-auto-tool-choice --tool-call-parser NAME to replay them",
+                    file=sys.stderr,
+                    flush=True,
+                )

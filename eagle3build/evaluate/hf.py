@@ -291,6 +291,13 @@ def answer_text(tokenizer, reference: list[int], eos: set[int]) -> str:
     return tokenizer.decode([t for t in reference if t not in eos], skip_special_tokens=True)
 
 
+def tally(accepts: list[int], *stats: AcceptanceStats) -> None:
+    """Count one decode's accepted-per-round into each of `stats` (overall, per category)."""
+    for accepted in accepts:
+        for acceptance in stats:
+            acceptance.add(accepted)
+
+
 def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
                  sequential_ks: list[int] | None = None, references: dict | None = None) -> dict:
     """Run every question's turns (turn n asked after the target's own answer to turn n-1).
@@ -341,9 +348,7 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
                     spec_seconds[k] += seconds
                     mismatches[k] += tokens != reference
                     agrees[k] += accepts == simulated[k]
-                for accepted in accepts:
-                    overall[k].add(accepted)
-                    category[k].add(accepted)
+                tally(accepts, overall[k], category[k])
             turns_done += 1
             messages.append({"role": "assistant", "content": answer_text(tokenizer, reference, eos)})
 
@@ -408,11 +413,9 @@ def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: li
                                                     max_new_tokens, eos, rule(n, turn_no, k))
                 spec_tokens[k] += len(tokens)
                 spec_seconds[k] += seconds
-                for accepted in accepts:
-                    overall[k].add(accepted)
-                    category[k].add(accepted)
-            turns_done += 1
+                tally(accepts, overall[k], category[k])
             messages.append({"role": "assistant", "content": answer_text(tokenizer, answer, eos)})
+            turns_done += 1
 
     baseline_tps = base_tokens / base_seconds if base_seconds else 0.0
     per_k = {}

@@ -1,0 +1,154 @@
+"""bench/quality.py: the quality benchmark as variants of one workflow config, built by `make run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3build.config import validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import quality  # noqa: E402
+from workflow_util import copy_workflow  # noqa: E402
+
+BASE = yaml.safe_load(quality.BASE_CONFIG.read_text())
+
+
+def variant(name: str) -> dict:
+    return quality.merged(BASE, quality.override_of(name))
+
+
+@pytest.mark.parametrize("name", quality.VARIANTS)
+def test_every_variant_is_a_valid_config_with_its_own_output_root(name):
+    from snakemake.utils import validate
+
+    config = variant(name)
+    validate_config(config, validate)  # the schema, as the workflow checks it
+    if name != quality.BASE:
+        assert config["output_root"] != BASE["output_root"]  # `make run` of one variant keeps the base's tree
+
+
+def test_each_variant_shares_exactly_the_stages_its_override_leaves_alone():
+    shared = {name: quality.shared_stages(BASE, variant(name)) for name in quality.VARIANTS}
+    upstream = ["data", "regen", "tokens"]
+    for head in ("norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid"):
+        assert shared[head] == [*upstream, "hidden", "vocab"], head  # trains, exports and evaluates anew
+    evaluate_only = quality.merged(BASE, {"evaluate": {"max_new_tokens": 64}})
+    assert quality.shared_stages(BASE, evaluate_only) == [*upstream, "hidden", "vocab", "train", "export"]
+    assert shared["fp8"] == [*upstream, "vocab"]  # extracts its own states
+    assert shared["final_only"] == [*upstream, "vocab"]
+    assert shared["original"] == []  # other datasets: nothing is the base's
+    assert shared[quality.BASE] == list(quality.STAGES)
+    assert quality.shared_stages(BASE, {**BASE, "target": {"model": "other"}}) == []
+
+
+def test_overrides_change_what_their_names_say():
+    assert variant("fp8")["extract"] == {**BASE["extract"], "storage_dtype": "fp8"}
+    final = variant("final_only")["extract"]
+    assert final["backend"] == "hf" and len(set(final["aux_layer_ids"])) == 1  # vLLM cannot repeat a layer
+    assert variant("norm_output")["evaluate"] == BASE["evaluate"]  # mappings merge key by key
+    assert not any(ds.get("regenerate") for ds in variant("original")["datasets"])
+    assert {ds["path"] for ds in variant("original")["datasets"]} == {ds["path"] for ds in BASE["datasets"]}
+    assert variant("lk_hybrid")["train"] == {**BASE["train"], "loss": "lk_hybrid"}
+
+
+def test_link_tree_links_and_a_rebuilt_link_leaves_the_base_intact(tmp_path):
+    base, var = tmp_path / "base" / "tokens", tmp_path / "var" / "tokens"
+    (base / "ds").mkdir(parents=True)
+    (base / "ds" / "00000.safetensors").write_text("base")
+    os.utime(base / "ds" / "00000.safetensors", (1_000_000, 1_000_000))
+    assert quality.link_tree(base, var) == 1
+    linked = var / "ds" / "00000.safetensors"
+    assert os.path.samefile(linked, base / "ds" / "00000.safetensors") and linked.stat().st_mtime == 1_000_000
+    assert quality.link_tree(base, var) == 0  # already linked
+    tmp = linked.with_name("tmp")  # a job of the variant rewrites it the way the stages do: new file, rename
+    tmp.write_text("variant")
+    os.replace(tmp, linked)
+    assert (base / "ds" / "00000.safetensors").read_text() == "base"
+    assert quality.link_tree(base, var) == 1 and linked.read_text() == "base"  # the base's again
+
+
+def test_job_counts_reads_the_run_table_not_a_later_one():
+    text = ("Job stats:\njob      count\n-----  -------\ntotal        0\n\nJob stats:\njob  count\n---  ---\n"
+            "split_0 1\ntotal 1\n")
+    assert quality.job_counts(text) == {}
+    text = ("Job stats:\njob           count\n----------  -------\nall 1\nsplit_0 1\nsplit_1 2\nregenerate 3\n"
+            "total 7\n")
+    assert quality.job_counts(text) == {"split": 3, "regenerate": 3}
+
+
+def report(tau3: float, t1: float | None = None) -> dict:
+    def row(tau):
+        return {"mean_acceptance_length": tau, "drafts": 10, "per_category": {"coding": {"mean_acceptance_length": tau}}}
+
+    def per_k(tau):
+        return {"3": row(tau), "7": row(tau + 0.5)}
+
+    out = {"turns": 4, "k": per_k(tau3)}
+    out["k"]["3"].update(mismatches=0, simulation_agrees=2, speedup=1.5)
+    if t1 is not None:
+        out["at_temperature"] = {"1.0": {"k": {"3": per_k(t1)["3"]}}}
+    return out
+
+
+def test_summary_and_table_carry_tau_per_k_category_and_temperature():
+    variants = {
+        "eagle3": {"override_keys": [], "sets": {"mt_bench": quality.set_summary(report(2.4))}},
+        "t1": {"override_keys": ["evaluate.temperatures=[0.0, 1.0]"],
+               "sets": {"mt_bench": quality.set_summary(report(2.4, t1=2.1))}},
+    }
+    summary = variants["t1"]["sets"]["mt_bench"]
+    assert summary["tau"] == {"3": 2.4, "7": 2.9} and summary["per_category"]["coding"]["7"] == 2.9
+    assert summary["sequential"]["3"] == {"mismatches": 0, "simulation_agrees": 2, "speedup": 1.5}
+    assert summary["at_temperature"]["1.0"]["tau"] == {"3": 2.1}
+    table = quality.tables(variants).splitlines()
+    assert table[0] == "| variant | override | MT-Bench τ@3 | MT-Bench τ@7 | MT-Bench τ@3 T=1.0 |"
+    assert table[2] == "| eagle3 | (base) | 2.40 | 2.90 |  |"
+    assert table[3] == "| t1 | `evaluate.temperatures=[0.0, 1.0]` | 2.40 | 2.90 | 2.10 |"
+    assert "| coding | 2.40 / 2.90 | 2.40 / 2.90 |" in table
+
+
+def test_configs_only_writes_configs_make_can_run(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir",
+                          str(tmp_path), "--root", "q", "--variants", "fp8", "tv"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "make run CONFIG=q/configs/fp8.yaml" in out
+    fp8 = yaml.safe_load((tmp_path / "q" / "configs" / "fp8.yaml").read_text())
+    assert fp8["output_root"] == "q/fp8" and fp8["extract"]["storage_dtype"] == "fp8"
+    assert fp8["datasets"] == BASE["datasets"]
+    assert yaml.safe_load((tmp_path / "q" / "configs" / "eagle3.yaml").read_text())["output_root"] == "q/eagle3"
+
+
+@pytest.mark.slow  # two workflow builds of ~11 and ~6 jobs: about 100 s on 2 cores
+def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tmp_path):
+    if not (quality.SHARED / "assets" / "models" / "stories260K").exists():
+        pytest.skip("../shared/assets is absent")
+    wd = copy_workflow(tmp_path / "wf")
+    shutil.copy2(ROOT / "Makefile", wd / "Makefile")
+    cmd = [sys.executable, str(ROOT / "bench" / "quality.py"), "--smoke", "--workdir", str(wd), "--root", "q",
+           "--out", str(tmp_path / "quality_smollm2.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
+    base, fp8 = run["variants"]["eagle3"], run["variants"]["fp8"]
+    assert base["jobs"]["regenerate"] == 2 and base["jobs"]["train"] == 1  # the fake server answered
+    # fp8 extracts its own states and trains on them; the data, answers, tokens and vocabulary are the base's
+    assert fp8["jobs"] == {"extract": 2, "train": 1, "export": 1, "evaluate": 1}
+    assert fp8["shared_from_base"] == ["data", "regen", "tokens", "vocab"]
+    for v in (base, fp8):
+        tau = v["sets"]["demo_heldout"]["tau"]
+        assert set(tau) == {"1", "3"} and all(1.0 <= t <= 4.0 for t in tau.values())
+    assert "| fp8 | `extract.storage_dtype=fp8` |" in proc.stdout
+    # the server is gone and a second run plans nothing anywhere
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-4000:]
+    run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
+    assert all(v["jobs"] == {} for v in run["variants"].values())

@@ -1,0 +1,70 @@
+"""bench/train_throughput.py: its CPU smoke run with the memory switches, its --dry memory plan at the Kimi
+shape, and the memory estimate against the peaks the GPU runs recorded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+import train_throughput as bench  # noqa: E402
+
+
+def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(BENCH / "train_throughput.py"), *args], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_smoke_run_with_both_memory_switches_trains_and_matches_the_dense_path(tmp_path):
+    """The tiny head on CPU with checkpointed steps and a chunked loss: the step runs, the loss falls, the
+    fast path with the switches gives the dense path's losses and gradients, and the result records them."""
+    out = tmp_path / "r.json"
+    run_bench(tmp_path, "--preset", "tiny", "--device", "cpu", "--seq", "64", "--warmup", "2", "--steps", "2",
+              "--variants", "flex-only", "--check-seq", "64", "--activation-checkpointing",
+              "--loss-chunk-tokens", "16", "--lr", "1e-2", "--out", str(out))
+    (run,) = json.loads(out.read_text())["runs"]
+    (result,) = run["results"]
+    assert result["ok"] and result["activation_checkpointing"] and result["loss_chunk_tokens"] == 16
+    assert result["losses"][-1] < result["losses"][0]
+    check = result["check_vs_dense_sdpa"]
+    assert check["max_step_loss_rel_diff"] < 1e-5 and check["max_grad_rel_diff"] < 1e-4
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"]
+    assert set(result["peak_estimate_gib"]) == {"static", "layers", "loss", "data", "backward_end", "total"}
+
+
+def test_dry_run_prints_the_kimi_memory_plan_without_running(tmp_path):
+    proc = run_bench(tmp_path, "--preset", "kimi", "--seq", "4096", "8192", "16384", "--dry", "--device", "cpu")
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["T"] for r in rows] == [4096, 8192, 16384]
+    for r in rows:  # each switch lowers the estimate, both most, down to the backward's end (the gradients)
+        assert r["estimate_both_gib"] <= min(r["estimate_checkpointing_gib"], r["estimate_chunked_loss_gib"])
+        assert max(r["estimate_checkpointing_gib"], r["estimate_chunked_loss_gib"]) < r["estimate_plain_gib"]
+        assert r["estimate_both_gib"] >= r["peak_estimate_gib"]["backward_end"]
+    assert rows[-1]["estimate_both_gib"] < min(rows[-1]["estimate_checkpointing_gib"],
+                                               rows[-1]["estimate_chunked_loss_gib"])
+    assert rows[-1]["estimate_both_gib"] < 80e9 / 2**30 < bench.memory_estimate(bench.PRESETS["kimi"], 32768, 7)["total"]
+
+
+@pytest.mark.parametrize("preset, T, measured_gib", [
+    ("llama8b", 2048, 12.5),  # H200, bench/results/train_throughput.json
+    ("llama8b", 4096, 16.21),
+    ("kimi", 4096, 29.5),  # H200, 2026-12-05 (docs/TRAINING.md, Memory)
+])
+def test_the_estimate_is_within_five_percent_of_the_recorded_peaks(preset, T, measured_gib):
+    estimate = bench.memory_estimate(bench.PRESETS[preset], T, 7)["total"]
+    assert abs(estimate - measured_gib) < 0.05 * measured_gib, estimate
+
+
+def test_recorded_llama_peaks_are_the_ones_the_estimate_is_checked_against():
+    results = json.loads((BENCH / "results" / "train_throughput.json").read_text())["runs"]
+    h200 = {r["T"]: round(r["peak_mem_gib"], 2) for run in results if run["device"] == "NVIDIA H200"
+            and run.get("preset") == "llama8b" for r in run["results"] if r.get("ok") and r["variant"] == "compiled"}
+    assert h200.get(2048) == 12.5 and h200.get(4096) == 16.21
