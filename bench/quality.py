@@ -253,16 +253,19 @@ def build_variant(args, name: str, config: dict, config_path: Path, root: Path, 
     if linked:
         log(f"{name}: shares the base's {', '.join(linked)} ({sum(linked.values())} new links)")
     cfg, logs = safe_path(config_path), args.work / "logs"
-    t_regen = 0.0
+    jobs, t_regen = {}, 0.0
     if args.serve_regeneration and regenerates_through_server(config):
         plan, _ = make(args.workdir, "dry-run", cfg, "--until regenerate", logs / f"{name}.log")
         if "regenerate" in job_counts(plan):
             with regeneration_server(config, args, logs / f"{name}.regeneration-server.log"):
-                _, t_regen = make(args.workdir, "run", cfg, "--until regenerate", logs / f"{name}.log")
+                output, t_regen = make(args.workdir, "run", cfg, "--until regenerate", logs / f"{name}.log")
+            jobs = job_counts(output)
     log(f"{name}: make run CONFIG={cfg}")
     output, seconds = make(args.workdir, "run", cfg, "", logs / f"{name}.log")
+    for rule, count in job_counts(output).items():
+        jobs[rule] = jobs.get(rule, 0) + count
     return {"config": cfg, "output_root": config["output_root"], "shared_from_base": shared if name != BASE else [],
-            "jobs": job_counts(output), "regenerate_until_s": round(t_regen, 1), "run_s": round(seconds, 1)}
+            "jobs": jobs, "until_regenerate_s": round(t_regen, 1), "run_s": round(seconds, 1)}
 
 
 # ---------------------------------------------------------------- reports
@@ -411,7 +414,7 @@ def free_hidden(done: list[str], remaining: list[str], shared: dict, roots: dict
         for name in [n for n in done if owner(n) == own]:
             if (roots[name] / "hidden").is_dir():
                 shutil.rmtree(roots[name] / "hidden")
-                log(f"{name}: deleted its hidden states (--free-hidden; a later run extracts them again)")
+                log(f"{name}: deleted its hidden states (--free-hidden; a later run extracts and trains again)")
 
 
 def run(args) -> dict:
@@ -422,7 +425,8 @@ def run(args) -> dict:
         write_config(config, args.workdir / paths[name], name)
     if args.configs_only:
         for name in configs:
-            print(f"make run CONFIG={paths[name]}   # shares: {', '.join(shared[name]) or 'nothing'}")
+            links = ", ".join(shared[name]) if name != BASE else "-"
+            print(f"make run CONFIG={safe_path(paths[name])}   # (this script links the base's: {links or 'nothing'})")
         return {}
     if args.smoke:  # the fake stands in for `vllm serve` on the same path
         args.serve_regeneration = True

@@ -240,11 +240,13 @@ def dataset_names(regenerated):
 
 def local_file(path):
     """Inputs that are files of ours are tracked; hf: ids and hub models are not files."""
-    return (
-        [path]
-        if path and not str(path).startswith("hf:") and Path(path).exists()
-        else []
-    )
+    if not path or str(path).startswith("hf:"):
+        return []
+    # A string no file system takes as a name (e.g. a template's text) is not a file: the job says so.
+    try:
+        return [path] if Path(path).exists() else []
+    except OSError:
+        return []
 
 
 def final_targets():

@@ -76,6 +76,20 @@ def test_link_tree_links_and_a_rebuilt_link_leaves_the_base_intact(tmp_path):
     assert quality.link_tree(base, var) == 1 and linked.read_text() == "base"  # the base's again
 
 
+def test_free_hidden_waits_for_the_last_variant_that_trains_on_a_set(tmp_path):
+    shared = {"eagle3": list(quality.STAGES), "tv": ["data", "hidden"], "fp8": ["data"]}
+    roots = {n: tmp_path / n for n in shared}
+    for n in shared:
+        (roots[n] / "hidden").mkdir(parents=True)
+    quality.free_hidden(["eagle3"], ["tv", "fp8"], shared, roots)
+    assert all((roots[n] / "hidden").is_dir() for n in shared)  # tv still trains on the base's
+    quality.free_hidden(["eagle3", "tv"], ["fp8"], shared, roots)
+    assert not (roots["eagle3"] / "hidden").exists() and not (roots["tv"] / "hidden").exists()
+    assert (roots["fp8"] / "hidden").is_dir()
+    quality.free_hidden(["eagle3", "tv", "fp8"], [], shared, roots)
+    assert not (roots["fp8"] / "hidden").exists()
+
+
 def test_job_counts_reads_the_run_table_not_a_later_one():
     text = ("Job stats:\njob      count\n-----  -------\ntotal        0\n\nJob stats:\njob  count\n---  ---\n"
             "split_0 1\ntotal 1\n")
@@ -120,7 +134,7 @@ def test_configs_only_writes_configs_make_can_run(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir",
                           str(tmp_path), "--root", "q", "--variants", "fp8", "tv"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "make run CONFIG=q/configs/fp8.yaml" in out
+    assert "make run CONFIG=q/configs/fp8.yaml" in out and "links the base's: data, regen, tokens, vocab" in out
     fp8 = yaml.safe_load((tmp_path / "q" / "configs" / "fp8.yaml").read_text())
     assert fp8["output_root"] == "q/fp8" and fp8["extract"]["storage_dtype"] == "fp8"
     assert fp8["datasets"] == BASE["datasets"]

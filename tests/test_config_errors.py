@@ -123,3 +123,11 @@ def test_every_shipped_config_validates(name):
     key would otherwise surface only on the GPU host)."""
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / name)
     assert cfg["datasets"] and cfg["output_root"] != "build"
+
+
+def test_template_text_given_as_chat_template_names_the_key(tmp_path):
+    """A template's text where a file path belongs is refused naming the key (no 'File name too long')."""
+    from eagle3build.data.chat import load_tokenizer
+
+    with pytest.raises(ConfigError, match="target.chat_template.*not the template's text"):
+        load_tokenizer(str(STORIES), chat_template="{% for m in messages %}" * 40)

@@ -103,7 +103,8 @@ def test_unset_init_from_keeps_the_runs_identity():
     p = loop.resolve_params({"lr": 1e-3})
     assert "init_from" not in loop.hashed_params(p, fsdp=False) and p["init_from"] is None
     # the head variants and the loss at their plain values are left out too (tests/test_head_variants.py)
-    unhashed = ("fsdp", "init_from", *loop.HEAD_VARIANT_KEYS)
+    # and so are the memory switches, which change no weight (tests/test_recompute.py)
+    unhashed = ("fsdp", "init_from", *loop.HEAD_VARIANT_KEYS, *loop.TRAIN_MEMORY_KEYS)
     assert loop.hashed_params(p, fsdp=False) == {k: v for k, v in p.items() if k not in unhashed}
 
 

@@ -51,6 +51,14 @@ class TemplateError(Exception):
 
 
 # ---------------------------------------------------------------- tokenizer
+def is_file(path: str) -> bool:
+    """Whether `path` names a file; a string no file system accepts as a name (too long) names none."""
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False
+
+
 def load_tokenizer(
     path: str, revision: str | None = None, trust_remote_code: bool = False, chat_template: str | None = None
 ):
@@ -70,9 +78,11 @@ def load_tokenizer(
             f"cannot load the tokenizer from '{path}' (revision {revision}): {type(e).__name__}: {e}"
         ) from e
     if chat_template:
+        if not is_file(chat_template):
+            shown = chat_template if len(chat_template) < 120 else chat_template[:100] + "..."
+            raise ConfigError("target.chat_template", f"file '{shown}' not found (give the path of a Jinja "
+                                                      "file, not the template's text)")
         template_file = Path(chat_template)
-        if not template_file.is_file():
-            raise ConfigError("target.chat_template", f"file '{chat_template}' not found")
         tokenizer.chat_template = template_file.read_text(encoding="utf-8")
     if not tokenizer.chat_template:
         raise ConfigError(
