@@ -40,6 +40,7 @@ rule all:
 
 
 onstart:
+    sigterm_as_ctrl_c()
     preflight()
 
 

@@ -2,6 +2,7 @@
 import copy
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -286,6 +287,15 @@ def stop_extraction_servers():
 
     extract.stop_servers(RUN_DIR)
     vllm_backend.stop_servers(RUN_DIR)
+
+
+def sigterm_as_ctrl_c():
+    """SIGTERM (a scheduler, `kill`) stops the run the way Ctrl-C does. Snakemake 9.27's own SIGTERM handler
+    takes its scheduler's non-reentrant lock; a signal that lands while the scheduler holds that lock
+    deadlocks the process (seen in tests/test_crash_recovery.py's kill matrix). Ctrl-C's path
+    (KeyboardInterrupt: running jobs cancelled, the lock released as the exception unwinds) has no such
+    window. Installed when jobs start (onstart runs after the scheduler installed its handler)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def preflight():
