@@ -294,7 +294,8 @@ def sigterm_as_ctrl_c():
     takes its scheduler's non-reentrant lock; a signal that lands while the scheduler holds that lock
     deadlocks the process (seen in tests/test_crash_recovery.py's kill matrix). Ctrl-C's path
     (KeyboardInterrupt: running jobs cancelled, the lock released as the exception unwinds) has no such
-    window. Installed when jobs start (onstart runs after the scheduler installed its handler)."""
+    window. Installed when jobs start (onstart runs after the scheduler installed its handler).
+    """
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
