@@ -50,3 +50,36 @@ def tiny_llama(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_llama")
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+class TargetReplayDraft(torch.nn.Module):
+    """Base of the tests' stand-ins for Eagle3Draft that draft from the target itself: the token history is
+    kept in the "KV cache", so a misaligned input token, RoPE position or cache crop in a decoding loop makes
+    the history wrong, and with it the proposals. Subclasses turn the target's logits into draft outputs."""
+
+    def __init__(self, target, first_token: int):
+        super().__init__()
+        self.target, self.first_token = target, first_token
+
+    def replay(self, input_ids, position_ids, kv_cache):
+        """(start, the target's logits after the replayed context, the new cache): logits[i] follow x[i],
+        so logits[start + 1:] predict the tokens after this step's inputs."""
+        history = kv_cache[0][0, 0, :, 0].long() if kv_cache is not None else torch.zeros(0, dtype=torch.long)
+        start = len(history)
+        assert position_ids[0].tolist() == list(range(start, start + input_ids.shape[1]))
+        history = torch.cat([history, input_ids[0]])  # history[j] = x[j + 1]
+        context = torch.cat([torch.tensor([self.first_token]), history])
+        cache = history.float()[None, None, :, None]
+        return start, self.target(input_ids=context[None]).logits[0], (cache, cache)
+
+    def project_aux(self, aux):
+        return aux
+
+    def feedback(self, pre_norm_out):  # what the next draft step reads (a plain head: the output itself)
+        return pre_norm_out
+
+    def logits(self, pre_norm_out):
+        return pre_norm_out
+
+    def draft_to_target(self, ids):
+        return ids

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import STORY_CHAT_TEMPLATE as TEMPLATE
+from conftest import TargetReplayDraft
 
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.draft.target import load_target_head
@@ -141,15 +142,13 @@ def test_lossless_with_a_real_draft_head(stories, tokenizer, k):
     assert total_rounds > 0
 
 
-class OracleDraft(torch.nn.Module):
-    """Stands in for Eagle3Draft: proposes the target's greedy next token, from the token history it
-    keeps in its "KV cache". Wrong (on purpose) where `wrong_at(position)` is true for the position of
-    the token it predicts. A misaligned input token, RoPE position or cache crop in the decoding loop
-    makes its history wrong, and then its proposals and the acceptance counts."""
+class OracleDraft(TargetReplayDraft):
+    """Proposes the target's greedy next token, from the token history it keeps in its "KV cache" (conftest).
+    Wrong (on purpose) where `wrong_at(position)` is true for the position of the token it predicts."""
 
     def __init__(self, target, first_token: int, wrong_at=lambda position: False):
-        super().__init__()
-        self.target, self.first_token, self.wrong_at = target, first_token, wrong_at
+        super().__init__(target, first_token)
+        self.wrong_at = wrong_at
         vocab = target.config.vocab_size
         self.config = SimpleNamespace(aux_layer_ids=[1, 2, 3], vocab_size=vocab, draft_vocab_size=vocab)
 
@@ -158,29 +157,15 @@ class OracleDraft(torch.nn.Module):
         return aux
 
     def layer(self, input_ids, hidden, position_ids, kv_cache=None):
-        history = kv_cache[0][0, 0, :, 0].long() if kv_cache is not None else torch.zeros(0, dtype=torch.long)
-        start = len(history)
-        assert position_ids[0].tolist() == list(range(start, start + input_ids.shape[1]))
-        history = torch.cat([history, input_ids[0]])  # history[j] = x[j + 1]
-        context = torch.cat([torch.tensor([self.first_token]), history])
-        greedy = self.target(input_ids=context[None]).logits[0].argmax(-1)  # greedy[i] follows x[i]
+        start, logits, cache = self.replay(input_ids, position_ids, kv_cache)
+        greedy = logits.argmax(-1)  # greedy[i] follows x[i]
         out = []
-        for j in range(start, len(history)):
+        for j in range(start, len(greedy) - 1):
             token = int(greedy[j + 1])  # the token at position j + 2
             if self.wrong_at(j + 2):
                 token = (token + 1) % self.config.vocab_size
             out.append(torch.nn.functional.one_hot(torch.tensor(token), self.config.vocab_size).float())
-        cache = history.float()[None, None, :, None]
-        return torch.stack(out)[None], (cache, cache)
-
-    def feedback(self, pre_norm_out):  # what the next draft step reads (a plain head: the output itself)
-        return pre_norm_out
-
-    def logits(self, pre_norm_out):
-        return pre_norm_out
-
-    def draft_to_target(self, ids):
-        return ids
+        return torch.stack(out)[None], cache
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import TargetReplayDraft
 
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.errors import ConfigError
@@ -169,40 +170,21 @@ def test_probabilities_scale_by_temperature_and_keep_the_top_p_nucleus():
     assert isinstance(rule_for(0.0, 1.0, 0, "probabilistic", torch.device("cpu")), Greedy)
 
 
-class LogitOracle(torch.nn.Module):
-    """Stands in for Eagle3Draft with the target's own next-token logits as its draft logits (q = p), from
-    the token history it keeps in its "KV cache": a misaligned position, input token or cache crop in the
-    decoding loop makes q differ from p, and then proposals get rejected."""
+class LogitOracle(TargetReplayDraft):
+    """Drafts with the target's own next-token logits (q = p), from the token history it keeps in its "KV
+    cache" (conftest): a misaligned position, input token or cache crop in the decoding loop makes q differ
+    from p, and then proposals get rejected."""
 
     def __init__(self, target, first_token: int):
-        super().__init__()
-        self.target, self.first_token = target, first_token
+        super().__init__(target, first_token)
         self.config = type("Config", (), {"aux_layer_ids": [0, 1, 2], "vocab_size": V})()
 
-    def project_aux(self, aux):
-        return aux
-
     def layer(self, input_ids, hidden, position_ids, kv_cache=None):
-        history = kv_cache[0][0, 0, :, 0].long() if kv_cache is not None else torch.zeros(0, dtype=torch.long)
-        start = len(history)
-        assert position_ids[0].tolist() == list(range(start, start + input_ids.shape[1]))
-        history = torch.cat([history, input_ids[0]])  # history[j] = x[j + 1]
-        context = torch.cat([torch.tensor([self.first_token]), history])
-        logits = self.target(input_ids=context[None]).logits[0]  # logits[i] follow x[i]
-        cache = history.float()[None, None, :, None]
-        return logits[start + 1 :][None], (cache, cache)  # position j predicts x[j + 2]
-
-    def logits(self, pre_norm_out):
-        return pre_norm_out
-
-    def feedback(self, pre_norm_out):  # what the next draft step reads (a plain head: the output itself)
-        return pre_norm_out
+        start, logits, cache = self.replay(input_ids, position_ids, kv_cache)
+        return logits[start + 1 :][None], cache  # position j predicts x[j + 2]
 
     def draft_ids(self):
         return torch.arange(V)
-
-    def draft_to_target(self, ids):
-        return ids
 
 
 def test_a_draft_that_samples_the_targets_distribution_is_always_accepted(target):
