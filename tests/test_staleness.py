@@ -214,11 +214,16 @@ def test_a_file_edited_in_a_folder_dataset_resplits_its_shard(built):
         assert plan(built) == ONE_SHARD  # part1 holds shard 1's records
 
 
+def touch_into_the_future(path) -> None:
+    """A newer mtime and nothing else: what `touch`, a copy or a checkout does to a dataset."""
+    future = time.time() + 60
+    os.utime(path, (future, future))
+
+
 @pytest.mark.slow
 def test_a_touched_large_dataset_reruns_nothing(built):
     with Edit(built / "inputs" / "big.jsonl") as path:
-        future = time.time() + 60
-        os.utime(path, (future, future))
+        touch_into_the_future(path)
         assert plan(built) == {}
 
 
@@ -357,8 +362,7 @@ def test_an_edited_middle_record_re_extracts_only_its_shard(many):
 @pytest.mark.slow
 def test_a_touched_dataset_of_many_shards_plans_nothing(many):
     with Edit(many / "inputs" / "many.jsonl") as path:
-        future = time.time() + 60
-        os.utime(path, (future, future))
+        touch_into_the_future(path)
         assert plan(many) == {}
 
 
