@@ -193,3 +193,38 @@ def test_sigkill_mid_extraction_leaves_nothing_complete_and_rerun_is_partial(tmp
     snakemake(wd, *targets)
     stop_servers(wd / "build" / ".run")
     assert len(list(hidden.glob("*.safetensors"))) == 6
+
+
+def test_a_build_moved_to_another_host_plans_nothing(tmp_path):
+    """The output root and Snakemake's records, copied into another checkout whose model and data were copied
+    afresh (newer files than every output): the plan there is empty, and an `lr` edit plans what it plans at home."""
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    cfg = base_config()
+    cfg["target"] = {"model": "models/stories", "chat_template": "data/chat_template.jinja"}
+    cfg["datasets"] = [{"name": "alpaca", "path": "data/alpaca_en_demo.json", "max_samples": 16}]
+
+    def checkout(path: Path) -> Path:
+        wd = copy_workflow(path)
+        shutil.copytree(STORIES, wd / "models" / "stories")
+        (wd / "data").mkdir()
+        for asset in (TRAIN_DATA / "alpaca_en_demo.json", TEMPLATE):
+            shutil.copy(asset, wd / "data")
+        write_config(wd, cfg)
+        return wd
+
+    first = checkout(tmp_path / "first")
+    snakemake(first)
+    stop_servers(first / "build" / ".run")
+    time.sleep(1.1)  # every file of the second checkout is newer than every output
+    second = checkout(tmp_path / "second")
+    # What docs/PRODUCTION.md ("Moving a build") says to carry; tar keeps the files' mtimes.
+    archive = tmp_path / "build.tar"
+    subprocess.run(["tar", "-cf", archive, "--exclude=build/.run", "build", ".snakemake/metadata"], cwd=first, check=True)
+    subprocess.run(["tar", "-xf", archive], cwd=second, check=True)
+    assert planned_jobs(second) == {}
+    cfg["train"]["lr"] = 5e-4
+    for wd in (first, second):
+        write_config(wd, cfg, "config.changed.yaml")
+    retrain = planned_jobs(second, config="config.changed.yaml")
+    assert retrain == planned_jobs(first, config="config.changed.yaml") and set(retrain) == {"train", "export"}
