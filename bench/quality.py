@@ -3,6 +3,7 @@ config per variant, in one table (BENCHMARKS.md §3).
 
     python3 bench/quality.py --serve-regeneration --free-hidden --out bench/results/quality_smollm2.json
     python3 bench/quality.py --variants eagle3 fp8             # some variants (eagle3, the base, always runs)
+    python3 bench/quality.py --variants eagle3 tv nla --parallel 3   # three at once, after the shared stages
     python3 bench/quality.py --configs-only                    # write the variants' configs, print their commands
     python3 bench/quality.py --table bench/results/quality_smollm2.json      # print a results file's tables
     python3 bench/quality.py --smoke --root /tmp/q             # CPU: stories260K, a fake regeneration server, 2 variants
@@ -25,6 +26,12 @@ as much (~46 GB). --free-hidden deletes each hidden-state folder, with its links
 trains on it (a later run of those variants extracts and trains again). When the base's outputs change, run this again:
 it links the new files, and Snakemake rebuilds what follows them in each variant.
 
+Parallel. With --parallel N the base first builds every stage another variant takes from it (`make run` with
+`--until` those stages' rules), then all variants, the base's own rest included, build N at a time, each a
+`make run` of its own output root (Snakemake's locks are per file, so the runs never meet). Where there are
+at least N GPUs each build gets its own share (CUDA_VISIBLE_DEVICES); else they share them (for a small head
+whose step leaves the GPU partly idle). --free-hidden builds one variant at a time and cannot be combined.
+
 Regeneration. The base config regenerates through an OpenAI-compatible server. With --serve-regeneration,
 a variant whose dry-run plans regenerate jobs gets one: `vllm serve TARGET --port <regenerate.url's port>`
 is started, the workflow runs up to those jobs (`--until regenerate`), and the server is stopped before
@@ -41,10 +48,12 @@ bench/results/quality_smollm2_{eagle3,final_only,original}.json.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
 import json
 import os
+import queue
 import re
 import shutil
 import socket
@@ -79,6 +88,10 @@ STAGES = {
     "export": ({"export"}, ("train", "vocab")),
     "eval": ({"evaluate"}, ("export",)),
 }
+# The rule whose jobs (with everything upstream: Snakemake's --until) build each stage folder but `data`,
+# which every other stage reads.
+STAGE_RULES = {"regen": "regenerate", "tokens": "tokens", "hidden": "extract", "vocab": "vocab", "train": "train",
+               "export": "export", "eval": "evaluate"}
 KNOWN_SECTIONS = {"output_root", "target"}.union(*(sections for sections, _ in STAGES.values()))
 SET_TITLES = {"mt_bench": "MT-Bench", "spec_bench": "Spec-Bench"}
 # A chat template for stories260K (a base model without one), for the smoke run.
@@ -162,9 +175,11 @@ def link_tree(src: Path, dst: Path) -> int:
 
 
 # ---------------------------------------------------------------- the workflow
-def make(workdir: Path, target: str, config: str, smk_args: str, log_path: Path) -> tuple[str, float]:
-    """`make TARGET CONFIG=config` in workdir, its output shown and appended to log_path; (output, seconds).
-    A failed run stops the benchmark (its log says why; the variant's tree keeps what it finished)."""
+def make(workdir: Path, target: str, config: str, smk_args: str, log_path: Path, env: dict | None = None,
+         prefix: str = "") -> tuple[str, float]:
+    """`make TARGET CONFIG=config` in workdir, its output shown (each line after `prefix`) and appended to
+    log_path; (output, seconds). A failed run stops the benchmark, or with --parallel its variant (its log
+    says why; the variant's tree keeps what it finished)."""
     cmd = ["make", "--no-print-directory", target, f"CONFIG={config}", f"PYTHON={sys.executable}"]
     if smk_args:
         cmd.append(f"SMK_ARGS={smk_args}")
@@ -174,12 +189,12 @@ def make(workdir: Path, target: str, config: str, smk_args: str, log_path: Path)
     with open(log_path, "a", encoding="utf-8") as log_file:
         log_file.write(f"$ {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         for line in proc.stdout:
             lines.append(line)
             log_file.write(line)
             if target == "run":
-                print(line, end="", flush=True)
+                print(prefix + line, end="", flush=True)
         proc.wait()
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -246,22 +261,26 @@ def regeneration_server(config: dict, args, log_path: Path):
 
 
 def build_variant(args, name: str, config: dict, config_path: Path, root: Path, base_root: Path,
-                  shared: list[str]) -> dict:
-    """Link the shared stages, serve regeneration where asked, run the workflow; what it ran and took."""
+                  shared: list[str], until: str = "", env: dict | None = None) -> dict:
+    """Link the shared stages, serve regeneration where asked, run the workflow (up to the rules `until`
+    names, or all of it); what it ran and took."""
     linked = {stage: link_tree(base_root / stage, root / stage) for stage in shared
               if name != BASE and (base_root / stage).is_dir()}
     if linked:
         log(f"{name}: shares the base's {', '.join(linked)} ({sum(linked.values())} new links)")
     cfg, logs = safe_path(config_path), args.work / "logs"
+    prefix = f"[{name}] " if args.parallel > 1 else ""
     jobs, t_regen = {}, 0.0
     if args.serve_regeneration and regenerates_through_server(config):
-        plan, _ = make(args.workdir, "dry-run", cfg, "--until regenerate", logs / f"{name}.log")
+        plan, _ = make(args.workdir, "dry-run", cfg, "--until regenerate", logs / f"{name}.log", env)
         if "regenerate" in job_counts(plan):
             with regeneration_server(config, args, logs / f"{name}.regeneration-server.log"):
-                output, t_regen = make(args.workdir, "run", cfg, "--until regenerate", logs / f"{name}.log")
+                output, t_regen = make(args.workdir, "run", cfg, "--until regenerate", logs / f"{name}.log", env,
+                                       prefix)
             jobs = job_counts(output)
-    log(f"{name}: make run CONFIG={cfg}")
-    output, seconds = make(args.workdir, "run", cfg, "", logs / f"{name}.log")
+    log(f"{name}: make run CONFIG={cfg}" + (f" SMK_ARGS='--until {until}'" if until else ""))
+    output, seconds = make(args.workdir, "run", cfg, f"--until {until}" if until else "", logs / f"{name}.log", env,
+                           prefix)
     for rule, count in job_counts(output).items():
         jobs[rule] = jobs.get(rule, 0) + count
     return {"config": cfg, "output_root": config["output_root"], "shared_from_base": shared if name != BASE else [],
@@ -431,15 +450,78 @@ def run(args) -> dict:
     if args.smoke:  # the fake stands in for `vllm serve` on the same path
         args.serve_regeneration = True
         args.serve_executable, args.serve_args = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")], []
+    if args.parallel > 1:
+        return run_parallel(args, overrides, configs, shared, roots, paths)
     results, names = {}, list(configs)
     for i, name in enumerate(names):
         t0 = time.perf_counter()
         built = build_variant(args, name, configs[name], paths[name], roots[name], roots[BASE], shared[name])
-        results[name] = {"override_keys": override_keys(overrides[name]), **built,
-                         **read_reports(roots[name], configs[name]), "wall_s": round(time.perf_counter() - t0, 1)}
-        log(f"{name}: " + ", ".join(f"{s} τ@3 {v['tau'].get('3', 0):.3f}" for s, v in results[name]["sets"].items()))
+        results[name] = variant_result(name, overrides[name], built, roots[name], configs[name], t0)
         if args.free_hidden:
             free_hidden(names[:i + 1], names[i + 1:], shared, roots)
+    return results
+
+
+def variant_result(name: str, override: dict, built: dict, root: Path, config: dict, t0: float) -> dict:
+    result = {"override_keys": override_keys(override), **built, **read_reports(root, config),
+              "wall_s": round(time.perf_counter() - t0, 1)}
+    log(f"{name}: " + ", ".join(f"{s} τ@3 {v['tau'].get('3', 0):.3f}" for s, v in result["sets"].items()))
+    return result
+
+
+def device_groups(parallel: int) -> list[dict]:
+    """The environment of each of `parallel` concurrent builds: a share of the GPUs each where there are at
+    least as many GPUs as builds, else all of them for every build (they share the devices)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < parallel:
+        return [{} for _ in range(parallel)]
+    per = count // parallel
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * per, (i + 1) * per))}
+            for i in range(parallel)]
+
+
+def run_parallel(args, overrides: dict, configs: dict, shared: dict, roots: dict, paths: dict) -> dict:
+    """The base builds every stage another variant takes from it; then every variant, the base's own rest
+    included, builds `args.parallel` at a time (each in its own output root, so Snakemake's locks never meet).
+    A variant that fails is reported; the others finish."""
+    wanted = set().union(*(shared[n] for n in configs if n != BASE))
+    until = " ".join(STAGE_RULES[stage] for stage in STAGE_RULES if stage in wanted)
+    t0 = time.perf_counter()
+    upstream = build_variant(args, BASE, configs[BASE], paths[BASE], roots[BASE], roots[BASE], shared[BASE],
+                             until=until) if until else {"jobs": {}, "until_regenerate_s": 0.0, "run_s": 0.0}
+    groups = queue.SimpleQueue()
+    for env in device_groups(args.parallel):
+        groups.put(env)
+
+    def build(name: str) -> dict:
+        env = groups.get()
+        try:
+            start = time.perf_counter() if name != BASE else t0
+            built = build_variant(args, name, configs[name], paths[name], roots[name], roots[BASE], shared[name],
+                                  env=env)
+            if name == BASE:
+                for rule, count in upstream["jobs"].items():
+                    built["jobs"][rule] = built["jobs"].get(rule, 0) + count
+                built["until_regenerate_s"] = upstream["until_regenerate_s"]
+                built["run_s"] = round(built["run_s"] + upstream["run_s"], 1)
+            return variant_result(name, overrides[name], built, roots[name], configs[name], start)
+        finally:
+            groups.put(env)
+
+    results, failed = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = {name: pool.submit(build, name) for name in configs}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except SystemExit as e:  # make() failed: the others go on
+                failed[name] = str(e)
+                log(f"{name}: FAILED\n{e}")
+    if failed:
+        sys.exit(f"variants failed: {', '.join(failed)} (their logs: {args.work / 'logs'}); "
+                 f"finished: {', '.join(results) or 'none'}")
     return results
 
 
@@ -478,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--free-hidden", action="store_true",
                    help="delete hidden states once no remaining variant trains on them (for a disk that holds one set; "
                         "a later run extracts and trains those variants again)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="build N variants at once once the base has built what they share (with >= N GPUs each "
+                        "gets its own share of them; else they share the GPUs)")
     p.add_argument("--configs-only", action="store_true", help="write the variants' configs and print their commands")
     p.add_argument("--smoke", action="store_true", help="CPU: stories260K, the tests' fake regeneration server, two variants")
     p.add_argument("--table", type=Path, default=None, help="print the tables of this results file and exit")
@@ -488,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print_table(args.table, args.device)
         return 0
+    if args.parallel < 1 or (args.parallel > 1 and args.free_hidden):
+        p.error("--parallel N needs N >= 1, and --free-hidden builds one variant at a time (drop one of them)")
     args.variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
     args.root = args.root or Path("build-quality-smoke" if args.smoke else "build-quality")
     args.workdir = args.workdir.resolve()

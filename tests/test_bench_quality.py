@@ -141,7 +141,7 @@ def test_configs_only_writes_configs_make_can_run(tmp_path):
     assert yaml.safe_load((tmp_path / "q" / "configs" / "eagle3.yaml").read_text())["output_root"] == "q/eagle3"
 
 
-@pytest.mark.slow  # two workflow builds of ~11 and ~6 jobs: about 100 s on 2 cores
+@pytest.mark.slow  # two workflow builds of ~11 and ~6 jobs, side by side: about 100 s on 2 cores
 def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tmp_path):
     if not (quality.SHARED / "assets" / "models" / "stories260K").exists():
         pytest.skip("../shared/assets is absent")
@@ -149,7 +149,8 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
     shutil.copy2(ROOT / "Makefile", wd / "Makefile")
     cmd = [sys.executable, str(ROOT / "bench" / "quality.py"), "--smoke", "--workdir", str(wd), "--root", "q",
            "--out", str(tmp_path / "quality_smollm2.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # the base builds what fp8 shares, then the two build side by side
+    proc = subprocess.run([*cmd, "--parallel", "2"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
     base, fp8 = run["variants"]["eagle3"], run["variants"]["fp8"]
@@ -161,8 +162,19 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
         tau = v["sets"]["demo_heldout"]["tau"]
         assert set(tau) == {"1", "3"} and all(1.0 <= t <= 4.0 for t in tau.values())
     assert "| fp8 | `extract.storage_dtype=fp8` |" in proc.stdout
-    # the server is gone and a second run plans nothing anywhere
+    assert "[eagle3] " in proc.stdout and "[fp8] " in proc.stdout  # each build's lines marked
+    # the server is gone and a second run, one variant at a time, plans nothing anywhere
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-4000:]
     run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
     assert all(v["jobs"] == {} for v in run["variants"].values())
+
+
+def test_parallel_builds_take_their_own_gpus_or_share_them(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert quality.device_groups(4) == [{"CUDA_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}"} for i in range(4)]
+    assert quality.device_groups(3) == [{"CUDA_VISIBLE_DEVICES": v} for v in ("0,1", "2,3", "4,5")]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert quality.device_groups(3) == [{}, {}, {}]
