@@ -10,7 +10,8 @@ without speculation.
 
 Each --set NAME=FILE:MAX_NEW_TOKENS[:first] (`first`: every question cut to its first turn) runs through
   hf    `eagle3build.evaluate.hf.evaluate` (the HF target in bf16 on the GPU, greedy chain decoding, k = 1..K,
-        acceptance read off the target's greedy decode; no sequential timing)
+        acceptance read off the target's greedy decodes, made in batches of --reference-batch-size; no
+        sequential timing)
   vllm  `eagle3build.evaluate.vllm.evaluate` (`evaluate.backend: vllm`: `vllm serve --speculative-config
         {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}`, every turn a greedy
         /v1/chat/completions request at batch 1, τ from the engine's /metrics counters per category; then a
@@ -80,7 +81,8 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
     hf_report = hf.evaluate(args.draft, {**target, "dtype": args.hf_dtype}, eval_set, str(work / f"hf_{name}.json"),
                             str(work / f"hf_{name}.png"),
                             {"k": list(range(1, k + 1)), "max_new_tokens": int(max_new), "sequential_k": [],
-                             "device": args.device})
+                             "device": args.device, "sequential_samples": 0,
+                             "reference_batch_size": args.reference_batch_size})
     v_report = vllm.evaluate(args.draft, target, eval_set, str(work / f"vllm_{name}.json"),
                              str(work / f"vllm_{name}.png"), vllm_params(args, k, int(max_new), 1))
     h, v = hf_report["sets"][name], v_report["sets"][name]
@@ -150,6 +152,8 @@ def main() -> int:
     p.add_argument("--speed-set", help="question file for the tokens/s runs (first turns)")
     p.add_argument("--speed", action="append", default=[], help="CONCURRENCY:QUESTIONS (repeat)")
     p.add_argument("--speed-max-new-tokens", type=int, default=256)
+    p.add_argument("--reference-batch-size", type=int, default=128,
+                   help="rows per batched greedy decode of the HF evaluator (its references; no timing here)")
     p.add_argument("--hf-dtype", default="auto", help="target dtype of the HF evaluator (auto: bf16 on GPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=4096)
