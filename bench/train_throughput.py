@@ -393,6 +393,9 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
         result["gpu_clocks"] = clocks.stop()
         mean = sum(times) / len(times)
         fm = flops_per_token(shape, T, args.ttt)
+        # A step that trains nothing runs fast: refuse to report it (every row of this batch has a loss).
+        if not all(math.isfinite(float(x)) and float(x) > 0 for x in losses):
+            raise RuntimeError(f"losses {[round(float(x), 5) for x in losses]}: the step trained no row")
         result.update(
             step_ms_mean=1e3 * mean,
             step_ms_min=1e3 * min(times),

@@ -285,3 +285,23 @@ def test_compiled_tuning_follows_the_environment(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
     compiled(torch.neg)
     assert inductor_config.coordinate_descent_tuning is False
+
+
+def test_a_batch_copied_to_the_host_is_complete_before_it_is_read(monkeypatch):
+    """Copies to a GPU run asynchronously (the host loads the next batch meanwhile); copies to the host
+    must not: the host lays out loss rows from them next, and an asynchronous device-to-host copy can still
+    be in flight (on an H100 a batch built on the GPU then read zeros for most of its loss mask)."""
+    batch = pack([(torch.arange(6), torch.ones(6, dtype=torch.bool), torch.zeros(6, 4, HT))])
+    seen = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        seen.append((str(kwargs.get("device")), kwargs.get("non_blocking")))
+        return real_to(self, *args, **{**kwargs, "device": "cpu"})
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batch.to("cpu")
+    assert seen and all(non_blocking is False for _, non_blocking in seen)
+    seen.clear()
+    batch.to("cuda:0")  # only recorded: the copy itself stays on the host here
+    assert seen and all(device == "cuda:0" and non_blocking is True for device, non_blocking in seen)

@@ -52,12 +52,17 @@ class PackedBatch:
         )
 
     def to(self, device, dtype=None) -> PackedBatch:
-        """On `device`; the hidden states (aux, final) also cast to `dtype` if given."""
+        """On `device`; the hidden states (aux, final) also cast to `dtype` if given.
+
+        Copies to a GPU are asynchronous (from pinned memory, `pin_memory`: the host goes on loading the
+        next batch). Copies to the host are not: the host reads them next, and an asynchronous one could
+        still be in flight (a batch laid out from such a copy once read zeros for most of its mask)."""
+        non_blocking = torch.device(device).type != "cpu"
 
         def move(name, t):
             if t is None:
                 return None
-            return t.to(device=device, dtype=dtype if name in ("aux", "final") else None, non_blocking=True)
+            return t.to(device=device, dtype=dtype if name in ("aux", "final") else None, non_blocking=non_blocking)
 
         return PackedBatch(**{f.name: move(f.name, getattr(self, f.name)) for f in fields(self)})
 
