@@ -448,12 +448,15 @@ def attach_peers(results: list[dict], path: Path) -> None:
     """Beside each of our results: the peers' results at its length and k (peer-train-bench's JSON lines of
     the same call), and our tokens/s over the faster peer's (over the one peer's, named, if only one finished)."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def matches(p: dict, r: dict) -> bool:  # by the line's own length and k (its tag only where it has none)
+        if "seq" in p and "ttt" in p:
+            return p["seq"] == r["T"] and p["ttt"] == r["ttt"]
+        return p.get("tag", "").endswith(f"_T{r['T']}_ttt{r['ttt']}")
+
     for r in results:
-        config = f"_T{r['T']}_ttt{r['ttt']}"
-        same = {p["peer"]: {k: p[k] for k in PEER_KEYS if k in p} for p in lines
-                if p.get("ok") and p.get("tag", "").endswith(config)}
-        failed = {p["tag"]: p.get("error", "failed") for p in lines
-                  if not p.get("ok") and p.get("tag", "").endswith(config)}
+        same = {p["peer"]: {k: p[k] for k in PEER_KEYS if k in p} for p in lines if p.get("ok") and matches(p, r)}
+        failed = {p["tag"]: p.get("error", "failed") for p in lines if not p.get("ok") and matches(p, r)}
         if failed:
             r["peers_not_finished"] = failed
         if r["ok"] and same:

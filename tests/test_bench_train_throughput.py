@@ -68,3 +68,19 @@ def test_recorded_llama_peaks_are_the_ones_the_estimate_is_checked_against():
     h200 = {r["T"]: round(r["peak_mem_gib"], 2) for run in results if run["device"] == "NVIDIA H200"
             and run.get("preset") == "llama8b" for r in run["results"] if r.get("ok") and r["variant"] == "compiled"}
     assert h200.get(2048) == 12.5 and h200.get(4096) == 16.21
+
+
+def test_peers_attach_by_their_length_and_k_whatever_their_tag(tmp_path):
+    lines = [
+        {"peer": "specforge", "tag": "sf_kimi_T4096", "seq": 4096, "ttt": 7, "ok": True, "tokens_per_s": 12000.0},
+        {"peer": "speculators", "tag": "spec_kimi_T4096", "seq": 4096, "ttt": 7, "ok": True, "tokens_per_s": 13000.0},
+        {"peer": "speculators", "tag": "spec_kimi_T8192", "seq": 8192, "ttt": 7, "ok": False, "error": "timed out"},
+        {"peer": "specforge", "tag": "sf_T4096_ttt3", "ok": True, "tokens_per_s": 1.0},  # an old line: by its tag
+    ]
+    path = tmp_path / "anchor_results.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    ours = [{"T": 4096, "ttt": 7, "ok": True, "tokens_per_s": 15600.0},
+            {"T": 8192, "ttt": 7, "ok": True, "tokens_per_s": 15500.0}]
+    bench.attach_peers(ours, path)
+    assert set(ours[0]["peers"]) == {"specforge", "speculators"} and ours[0]["ratio_vs_faster_peer"] == 1.2
+    assert "peers" not in ours[1] and ours[1]["peers_not_finished"] == {"spec_kimi_T8192": "timed out"}
