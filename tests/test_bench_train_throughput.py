@@ -57,6 +57,7 @@ def test_dry_run_prints_the_kimi_memory_plan_without_running(tmp_path):
     ("llama8b", 2048, 12.5),  # H200, bench/results/train_throughput.json
     ("llama8b", 4096, 16.21),
     ("kimi", 4096, 29.5),  # H200, 2026-12-05 (docs/TRAINING.md, Memory)
+    ("kimi", 8192, 39.31),  # H100, bench/results/train_throughput_kimi.json
 ])
 def test_the_estimate_is_within_five_percent_of_the_recorded_peaks(preset, T, measured_gib):
     estimate = bench.memory_estimate(bench.PRESETS[preset], T, 7)["total"]
@@ -68,6 +69,14 @@ def test_recorded_llama_peaks_are_the_ones_the_estimate_is_checked_against():
     h200 = {r["T"]: round(r["peak_mem_gib"], 2) for run in results if run["device"] == "NVIDIA H200"
             and run.get("preset") == "llama8b" for r in run["results"] if r.get("ok") and r["variant"] == "compiled"}
     assert h200.get(2048) == 12.5 and h200.get(4096) == 16.21
+
+
+def test_recorded_kimi_run_holds_what_benchmarks_md_states():
+    run = json.loads((BENCH / "results" / "train_throughput_kimi.json").read_text())["runs"][0]
+    rows = {r["T"]: r for r in run["results"]}
+    assert run["preset"] == "kimi" and set(rows) == {4096, 8192}
+    assert {T: r["ratio_vs_faster_peer"] for T, r in rows.items()} == {4096: 1.202, 8192: 1.076}
+    assert round(rows[8192]["peak_mem_gib"], 2) == 39.31 and all(min(r["losses"]) > 40 for r in rows.values())
 
 
 def test_peers_attach_by_their_length_and_k_whatever_their_tag(tmp_path):
