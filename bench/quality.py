@@ -89,10 +89,10 @@ STAGES = {
     "export": ({"export"}, ("train", "vocab")),
     "eval": ({"evaluate"}, ("export",)),
 }
-# The rule whose jobs (with everything upstream: Snakemake's --until) build each stage folder but `data`,
-# which every other stage reads.
-STAGE_RULES = {"regen": "regenerate", "tokens": "tokens", "hidden": "extract", "vocab": "vocab", "train": "train",
-               "export": "export", "eval": "evaluate"}
+# The rules whose jobs (with everything upstream: Snakemake's --until) build each stage folder but `data`,
+# which every other stage reads. A regenerated dataset's tokens come from `tokens_regenerated`.
+STAGE_RULES = {"regen": "regenerate", "tokens": "tokens tokens_regenerated", "hidden": "extract", "vocab": "vocab",
+               "train": "train", "export": "export", "eval": "evaluate"}
 KNOWN_SECTIONS = {"output_root", "target"}.union(*(sections for sections, _ in STAGES.values()))
 SET_TITLES = {"mt_bench": "MT-Bench", "spec_bench": "Spec-Bench"}
 # A chat template for stories260K (a base model without one), for the smoke run.
@@ -124,10 +124,15 @@ def override_of(name: str) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def upstream_stages(stage: str) -> set[str]:
+    """Every stage folder a stage's jobs read, directly or through the stages they read."""
+    direct = set(STAGES[stage][1])
+    return direct.union(*(upstream_stages(u) for u in direct))
+
+
 def stage_sections(stage: str) -> set[str]:
     """Every config section a stage's outputs depend on, through the stages it reads."""
-    sections, upstream = STAGES[stage]
-    return {"target", *sections}.union(*(stage_sections(u) for u in upstream))
+    return {"target"}.union(*(STAGES[s][0] for s in {stage, *upstream_stages(stage)}))
 
 
 def shared_stages(base: dict, variant: dict) -> list[str]:
@@ -218,6 +223,12 @@ def job_counts(output: str) -> dict[str, int]:
     return jobs
 
 
+def add_jobs(jobs: dict[str, int], more: dict[str, int]) -> None:
+    """Add another run's job counts (rule -> jobs) into `jobs`."""
+    for rule, count in more.items():
+        jobs[rule] = jobs.get(rule, 0) + count
+
+
 def regenerates_through_server(config: dict) -> bool:
     backend = (config.get("regenerate") or {}).get("backend", "hf")
     return backend == "openai" and any(ds.get("regenerate") for ds in config["datasets"])
@@ -282,8 +293,7 @@ def build_variant(args, name: str, config: dict, config_path: Path, root: Path, 
     log(f"{name}: make run CONFIG={cfg}" + (f" SMK_ARGS='--until {until}'" if until else ""))
     output, seconds = make(args.workdir, "run", cfg, f"--until {until}" if until else "", logs / f"{name}.log", env,
                            prefix)
-    for rule, count in job_counts(output).items():
-        jobs[rule] = jobs.get(rule, 0) + count
+    add_jobs(jobs, job_counts(output))
     return {"config": cfg, "output_root": config["output_root"], "shared_from_base": shared if name != BASE else [],
             "jobs": jobs, "until_regenerate_s": round(t_regen, 1), "run_s": round(seconds, 1)}
 
@@ -488,10 +498,13 @@ def run_parallel(args, overrides: dict, configs: dict, shared: dict, roots: dict
     included, builds `args.parallel` at a time (each in its own output root, so Snakemake's locks never meet).
     A variant that fails is reported; the others finish."""
     wanted = set().union(*(shared[n] for n in configs if n != BASE))
-    until = " ".join(STAGE_RULES[stage] for stage in STAGE_RULES if stage in wanted)
+    # --until the last of them only: it brings everything upstream (naming an upstream rule too can leave
+    # Snakemake "out of jobs ready to be started" before the last ones)
+    upstream = set().union(*(upstream_stages(stage) for stage in wanted))
+    until = " ".join(STAGE_RULES[stage] for stage in STAGE_RULES if stage in wanted - upstream)
     t0 = time.perf_counter()
-    upstream = build_variant(args, BASE, configs[BASE], paths[BASE], roots[BASE], roots[BASE], shared[BASE],
-                             until=until) if until else {"jobs": {}, "until_regenerate_s": 0.0, "run_s": 0.0}
+    first = build_variant(args, BASE, configs[BASE], paths[BASE], roots[BASE], roots[BASE], shared[BASE],
+                          until=until) if until else {"jobs": {}, "until_regenerate_s": 0.0, "run_s": 0.0}
     groups = queue.SimpleQueue()
     for env in device_groups(args.parallel):
         groups.put(env)
@@ -503,10 +516,9 @@ def run_parallel(args, overrides: dict, configs: dict, shared: dict, roots: dict
             built = build_variant(args, name, configs[name], paths[name], roots[name], roots[BASE], shared[name],
                                   env=env)
             if name == BASE:
-                for rule, count in upstream["jobs"].items():
-                    built["jobs"][rule] = built["jobs"].get(rule, 0) + count
-                built["until_regenerate_s"] = upstream["until_regenerate_s"]
-                built["run_s"] = round(built["run_s"] + upstream["run_s"], 1)
+                add_jobs(built["jobs"], first["jobs"])
+                built["until_regenerate_s"] = first["until_regenerate_s"]
+                built["run_s"] = round(built["run_s"] + first["run_s"], 1)
             return variant_result(name, overrides[name], built, roots[name], configs[name], start)
         finally:
             groups.put(env)

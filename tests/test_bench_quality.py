@@ -163,6 +163,7 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
         assert set(tau) == {"1", "3"} and all(1.0 <= t <= 4.0 for t in tau.values())
     assert "| fp8 | `extract.storage_dtype=fp8` |" in proc.stdout
     assert "[eagle3] " in proc.stdout and "[fp8] " in proc.stdout  # each build's lines marked
+    assert "eagle3: make run CONFIG=q/configs/eagle3.yaml SMK_ARGS='--until vocab'" in proc.stdout  # fp8's last shared
     # the server is gone and a second run, one variant at a time, plans nothing anywhere
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-4000:]
@@ -178,3 +179,8 @@ def test_parallel_builds_take_their_own_gpus_or_share_them(monkeypatch):
     assert quality.device_groups(3) == [{"CUDA_VISIBLE_DEVICES": v} for v in ("0,1", "2,3", "4,5")]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert quality.device_groups(3) == [{}, {}, {}]
+
+
+def test_the_base_builds_up_to_the_last_shared_stages_only():
+    assert quality.upstream_stages("vocab") == {"data", "regen", "tokens"}
+    assert quality.upstream_stages("eval") == {"data", "regen", "tokens", "hidden", "vocab", "train", "export"}
