@@ -177,13 +177,23 @@ class HiddenShardReader:
 
     def rows(self, start: int = 0, end: int | None = None, dtype: torch.dtype = torch.float32):
         """Tokens [start, end): (input_ids int32 [n], loss_mask uint8 [n], hidden [n, 4, H] in `dtype`)."""
+        input_ids, loss_mask, hidden, scale = self.stored_rows(start, end)
+        if scale is not None:
+            hidden = dequantize_fp8(hidden, scale, dtype)
+        return input_ids, loss_mask, hidden.to(dtype)
+
+    def stored_rows(self, start: int = 0, end: int | None = None):
+        """Tokens [start, end) as stored: (input_ids int32 [n], loss_mask uint8 [n], hidden [n, 4, H] in the
+        storage dtype, fp32 scales [n, 4] of fp8 rows or None). The trainer dequantizes fp8 rows on its GPU
+        (PackedBatch.to): on the host it is a scalar conversion that can take longer than a training step,
+        and the copy to the device would carry twice the bytes."""
         with self._reading() as f:
             input_ids = f.get_slice("input_ids")[start:end]
             loss_mask = f.get_slice("loss_mask")[start:end]
             hidden = f.get_slice("hidden")[start:end]
-            if hidden.dtype == torch.float8_e4m3fn:
-                hidden = dequantize_fp8(hidden, f.get_slice("hidden_scale")[start:end], dtype)
-            return input_ids, loss_mask, hidden.to(dtype)
+            fp8 = hidden.dtype == torch.float8_e4m3fn
+            scale = f.get_slice("hidden_scale")[start:end] if fp8 else None
+            return input_ids, loss_mask, hidden, scale
 
 
 def read_hidden(path, dtype: torch.dtype = torch.float32, device="cpu") -> HiddenShard:

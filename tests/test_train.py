@@ -32,6 +32,7 @@ def write_hidden_shards(
     min_len=8,
     max_len=20,
     model_id="tiny-llama",
+    storage="bf16",
 ) -> list[str]:
     """Real hidden states of a small HF Llama on random token sequences, as hidden shards."""
     from transformers import AutoModelForCausalLM
@@ -59,7 +60,7 @@ def write_hidden_shards(
             torch.cat(masks),
             cu,
             model.config.hidden_size,
-            "bf16",
+            storage,
             {"model": model_id, "revision": None, "layer_ids": layer_ids},
         ) as writer:
             for i, x in enumerate(ids):
@@ -333,6 +334,29 @@ def test_bad_inputs_raise_user_errors_naming_the_file(inputs, tmp_path):
     expect(r"00000.safetensors: hidden_size 32 != the target's 48", target_path=str(wide))
     expect(r"train.nonsense", params={"nonsense": 1})
     assert not (root / "o" / "draft.safetensors").exists()
+
+
+def test_fp8_states_travel_as_stored_and_are_dequantized_on_the_device(inputs, tmp_path):
+    """The host reads fp8 rows as stored (a workflow job has one CPU thread, and dequantizing there could
+    outlast the step) and `to` dequantizes them after the copy: the batch the step sees is exactly the
+    host-dequantized one, padding included."""
+    from eagle3build.train.data import BatchLoader, HiddenDataset
+    from eagle3build.ttt.batch import pack, pad_batch
+
+    (tmp_path / "h").mkdir()
+    paths = write_hidden_shards(Path(inputs["target"]), tmp_path / "h", n_shards=1, storage="fp8")
+    data = HiddenDataset(paths, 48)
+    loader = BatchLoader(data, None, torch.device("cpu"), torch.float32, 3, True, 48)
+    ids = [0, 1, 2]
+    host = loader.load(ids)
+    assert host.aux.dtype == host.final.dtype == torch.float8_e4m3fn
+    assert host.aux_scale.shape == (host.num_tokens, 3) and host.final_scale.shape == (host.num_tokens,)
+    moved = host.to("cpu", torch.float32)
+    assert moved.aux_scale is None and moved.final_scale is None and moved.aux.dtype == torch.float32
+    expected = pad_batch(pack([data.load(data.samples[i], torch.float32) for i in ids]), loader.length_multiple)
+    assert host.num_tokens == expected.num_tokens > sum(data.lengths[i] for i in ids)  # padded
+    assert torch.equal(moved.aux, expected.aux) and torch.equal(moved.final, expected.final)
+    assert torch.equal(moved.loss_rows, host.loss_rows) and torch.equal(moved.input_ids, expected.input_ids)
 
 
 def test_deterministic_on_cpu(inputs, tmp_path):

@@ -84,6 +84,11 @@ class HiddenDataset:
         ids, mask, hidden = self.shards[ref.shard].rows(ref.start, ref.end, dtype)
         return ids.long(), mask.bool(), hidden
 
+    def load_stored(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input_ids, loss_mask, hidden [n, 4, H] as stored, fp32 scales [n, 4] of fp8 rows or None)."""
+        ids, mask, hidden, scale = self.shards[ref.shard].stored_rows(ref.start, ref.end)
+        return ids.long(), mask.bool(), hidden, scale
+
 
 def load_inputs(
     hidden_paths: list[str], mapping_path: str, target_path: str, target_revision, max_tokens: int
@@ -161,9 +166,10 @@ def plan_steps(
 class BatchLoader:
     """The PackedBatch of a micro-batch (a list of sample indices).
 
-    `load` is the host side (the prefetch thread runs it): read, pack, pad, lay out the loss and step
-    rows, pin on GPU runs. Nothing shaped there needs a GPU value, so loading a batch never waits for the
-    GPU. `to_device` moves it and adds the target's greedy flags: a full-vocab argmax, computed once per
+    `load` is the host side (the prefetch thread runs it): read (hidden states as stored), pack, pad, lay
+    out the loss and step rows, pin on GPU runs. Nothing shaped there needs a GPU value, so loading a batch
+    never waits for the GPU. `to_device` moves it, casts (fp8: dequantizes) the states on the device, and
+    adds the target's greedy flags: a full-vocab argmax, computed once per
     sample and kept on the host for later epochs. Compiled kernels are specialised to the length, so
     compiled runs pad batches to a few length buckets and round their step rows to the same buckets.
     """
@@ -185,7 +191,9 @@ class BatchLoader:
         self.greedy: dict[int, torch.Tensor] = {}  # sample index -> bool [length], after its first batch
 
     def load(self, sample_ids: list[int]) -> PackedBatch:
-        batch = pack([self.data.load(self.data.samples[i], self.dtype) for i in sample_ids])
+        stored = [self.data.load_stored(self.data.samples[i]) for i in sample_ids]
+        scales = [s for *_, s in stored]
+        batch = pack([sample[:3] for sample in stored], None if scales[0] is None else scales)
         if all(i in self.greedy for i in sample_ids):  # after the first epoch: travels with the batch
             batch.greedy_in_draft = torch.cat([self.greedy[i] for i in sample_ids])
         batch = pad_batch(batch, self.length_multiple)
@@ -194,7 +202,7 @@ class BatchLoader:
         return batch.pin_memory() if self.device.type == "cuda" else batch
 
     def to_device(self, sample_ids: list[int], loaded: PackedBatch | None = None) -> PackedBatch:
-        batch = (loaded if loaded is not None else self.load(sample_ids)).to(self.device)
+        batch = (loaded if loaded is not None else self.load(sample_ids)).to(self.device, self.dtype)
         if batch.greedy_in_draft is None:  # target argmax over the full vocab: once per sample
             lengths = [self.data.lengths[i] for i in sample_ids]
             real = sum(lengths)  # rows after these are padding

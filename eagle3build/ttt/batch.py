@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from eagle3build.shards import dequantize_fp8
+
 
 @dataclass
 class PackedBatch:
@@ -33,6 +35,10 @@ class PackedBatch:
     # with_step_rows; None: every step computes every row. Otherwise the rows whose output the steps
     # compute (step 0's keys and values at every row), and loss_source indexes into them:
     step_rows: torch.Tensor | None = None  # int64 [R], sorted
+    # fp8-stored hidden states travel as stored (aux and final e4m3) with their per-row scales, and `to`
+    # dequantizes them on the device; None once dequantized or when stored in bf16/fp32:
+    aux_scale: torch.Tensor | None = None  # fp32 [N, 3]
+    final_scale: torch.Tensor | None = None  # fp32 [N]
 
     @property
     def num_tokens(self) -> int:
@@ -52,28 +58,39 @@ class PackedBatch:
         )
 
     def to(self, device, dtype=None) -> PackedBatch:
-        """On `device`; the hidden states (aux, final) also cast to `dtype` if given.
+        """On `device`; the hidden states (aux, final) also cast to `dtype` if given, fp8 ones dequantized
+        there (to `dtype`, else fp32) after the copy.
 
         Copies to a GPU are asynchronous (from pinned memory, `pin_memory`: the host goes on loading the
         next batch). Copies to the host are not: the host reads them next, and an asynchronous one could
         still be in flight (a batch laid out from such a copy once read zeros for most of its mask)."""
         non_blocking = torch.device(device).type != "cpu"
+        fp8 = self.aux_scale is not None
 
         def move(name, t):
             if t is None:
                 return None
-            return t.to(device=device, dtype=dtype if name in ("aux", "final") else None, non_blocking=non_blocking)
+            cast = dtype if name in ("aux", "final") and not fp8 else None
+            return t.to(device=device, dtype=cast, non_blocking=non_blocking)
 
-        return PackedBatch(**{f.name: move(f.name, getattr(self, f.name)) for f in fields(self)})
+        moved = {f.name: move(f.name, getattr(self, f.name)) for f in fields(self)}
+        if fp8:
+            dq = dtype or torch.float32
+            moved["aux"] = dequantize_fp8(moved["aux"].unflatten(1, (3, -1)), moved.pop("aux_scale"), dq).flatten(1)
+            moved["final"] = dequantize_fp8(moved["final"], moved.pop("final_scale"), dq)
+        return PackedBatch(**moved)
 
 
-def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> PackedBatch:
-    """Pack (input_ids [L], loss_mask [L], hidden [L, 4, Ht]) samples into one batch."""
+def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scales: list[torch.Tensor] | None = None
+         ) -> PackedBatch:
+    """Pack (input_ids [L], loss_mask [L], hidden [L, 4, Ht]) samples into one batch; `scales` (fp32 [L, 4]
+    each) when the hidden states are fp8 as stored (dequantized by `to`)."""
     lengths = torch.tensor([len(ids) for ids, _, _ in samples])
     doc = torch.repeat_interleave(torch.arange(len(samples)), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
     position = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
     hidden = torch.cat([h for _, _, h in samples])
+    scale = torch.cat(scales) if scales is not None else None
     return PackedBatch(
         input_ids=torch.cat([ids for ids, _, _ in samples]).long(),
         loss_mask=torch.cat([m for _, m, _ in samples]).bool(),
@@ -81,6 +98,8 @@ def pack(samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Pack
         position=position,
         aux=hidden[:, :3].flatten(1),
         final=hidden[:, 3],
+        aux_scale=None if scale is None else scale[:, :3],
+        final_scale=None if scale is None else scale[:, 3],
     )
 
 
@@ -107,6 +126,8 @@ def pad_batch(batch: PackedBatch, multiple: int) -> PackedBatch:
         aux=extend(batch.aux, 0),
         final=extend(batch.final, 0),
         greedy_in_draft=extend(batch.greedy_in_draft, False),
+        aux_scale=extend(batch.aux_scale, 0),
+        final_scale=extend(batch.final_scale, 0),
     )
 
 
