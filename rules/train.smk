@@ -17,6 +17,10 @@ rule train:
         metrics=f"{OUT}/train/metrics.jsonl",
     log:
         f"{OUT}/logs/train.log",
+    # Snakemake sets a job's OMP_NUM_THREADS (torch's host threads) to its threads, 1 unless given: the
+    # trainer's host side (reading, packing and pinning the next batch) would then share one core. A cluster
+    # job runs with --cores all on its node, so there this is the job's allocation (cpus_per_task).
+    threads: workflow.cores
     resources:
         gpu=max(1, config["train"]["gpus"]),
     params:

@@ -26,6 +26,7 @@ def test_several_gpus_go_through_torchrun(monkeypatch, tmp_path):
 
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setenv("OMP_NUM_THREADS", "32")  # the job's threads (rules/train.smk)
     launch.launch(["h0.safetensors"], "map.safetensors", {"path": "model", "revision": "abc"}, str(tmp_path / "out"),
                   str(tmp_path / "state"), {"gpus": 4, "lr": 1e-4})
     assert seen["cmd"][:3] == [sys.executable, "-m", "torch.distributed.run"]
@@ -33,6 +34,7 @@ def test_several_gpus_go_through_torchrun(monkeypatch, tmp_path):
     assert seen["spec"]["params"] == {"lr": 1e-4}  # `gpus` is the launcher's, not the trainer's
     assert seen["spec"]["target_revision"] == "abc"
     assert seen["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast stays off
+    assert seen["env"]["OMP_NUM_THREADS"] == "8"  # the job's host threads shared by the 4 ranks
     assert not list((tmp_path / "state").glob("*.json"))  # the spec file is removed
 
 

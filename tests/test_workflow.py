@@ -68,6 +68,14 @@ def test_a_complete_build_plans_nothing(built):
     assert plan(built, base_config()) == {}
 
 
+def test_the_train_job_gets_the_hosts_threads(built):
+    """Snakemake gives a job OMP_NUM_THREADS = its threads (1 unless the rule says): the trainer's host
+    side would share one core. The train job takes the run's cores (the helper runs --cores 2)."""
+    proc = snakemake(built, "-n", "build/train/draft.safetensors")
+    job = (proc.stdout + proc.stderr).split("rule train:")[1].split("\n\n")[0]
+    assert "threads: 2" in job, job
+
+
 def test_training_setting_plans_no_upstream_job(built):
     cfg = base_config()
     cfg["train"]["lr"] = 5e-4

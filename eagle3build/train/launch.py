@@ -38,7 +38,9 @@ def launch(hidden_paths: list[str], mapping_path: str, target: dict, out_dir: st
         json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
            "-m", "eagle3build.train.launch", f.name]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+           # the job's host threads (its OMP_NUM_THREADS) split among the ranks; torchrun would pass them on whole
+           "OMP_NUM_THREADS": str(rank_threads(gpus))}
     try:
         proc = subprocess.run(cmd, env=env)
     finally:
@@ -46,6 +48,14 @@ def launch(hidden_paths: list[str], mapping_path: str, target: dict, out_dir: st
     if proc.returncode != 0:
         raise UserError(f"torchrun training with {gpus} GPUs failed (exit {proc.returncode}); see the log above")
     return None
+
+
+def rank_threads(ranks: int) -> int:
+    """Each of `ranks` workers' share of this job's host threads (OMP_NUM_THREADS, else torch's count)."""
+    import torch
+
+    threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+    return max(1, threads // ranks)
 
 
 def run_spec(spec: dict) -> dict:

@@ -244,6 +244,7 @@ def train(
     if d.world_size > 1 and not fsdp:
         module = nn.parallel.DistributedDataParallel(ttt, device_ids=[d.local_rank] if cuda else None)
     start_step, best = resume(run_dir, draft, optimizer, scheduler, ttt if fsdp else None, total_steps, d)
+    log(f"{torch.get_num_threads()} host thread(s) per rank (OMP_NUM_THREADS; a workflow job's threads)", d)
 
     # ---- the loop
     weights = step_loss_weights(p["ttt_steps"], p["step_weight"], device)
