@@ -15,12 +15,14 @@ COMPILED: dict[Callable, Callable] = {}  # cached_compiled's versions, by the fu
 
 
 def compiled(fn: Callable, **kwargs) -> Callable:
-    """torch.compile(fn, **kwargs), with Inductor's coordinate-descent tuning of its generated kernels on.
+    """torch.compile(fn, **kwargs); Inductor's coordinate-descent tuning of its kernels only where
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1.
 
     The tuning times a few block sizes for each fused elementwise/reduction kernel the first time it is
-    compiled (extra compile time for each batch length, kept in Inductor's on-disk cache: the image points
-    TORCHINDUCTOR_CACHE_DIR at /cache) and makes the training step faster (BENCHMARKS.md).
-    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 turns it off.
+    compiled, for each batch length a run meets: minutes of compilation before the first steps, for a step
+    a few percent faster (BENCHMARKS.md §2), kept in Inductor's on-disk cache (the image points
+    TORCHINDUCTOR_CACHE_DIR at /cache). Off by default, so a first run trains at once; worth turning on for
+    a long run on a machine whose cache will be reused.
     """
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
@@ -29,7 +31,7 @@ def compiled(fn: Callable, **kwargs) -> Callable:
     # rounded to them too) with gradients and again under no_grad in validation: dynamo's default
     # limit (8 compilations per function) would run the rest eagerly.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 16)
-    inductor_config.coordinate_descent_tuning = os.environ.get("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1") == "1"
+    inductor_config.coordinate_descent_tuning = os.environ.get("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0") == "1"
     return torch.compile(fn, **kwargs)
 
 
