@@ -73,8 +73,8 @@ SHARED = ROOT.parent / "shared"
 BASE_CONFIG = ROOT / "configs" / "smollm2-gpu.yaml"
 ABLATIONS = ROOT / "configs" / "ablations"
 BASE = "eagle3"  # the base config's own variant: the reference row, and the outputs the others link
-VARIANTS = [BASE, "norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "steps_8000", "fp8", "final_only",
-            "original"]
+VARIANTS = [BASE, "norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "frozen_lm_head", "steps_8000",
+            "fp8", "final_only", "original"]
 SMOKE_VARIANTS = [BASE, "fp8"]
 VLLM_EXECUTABLE = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 # The workflow's stage folders under an output root: the config sections each one's jobs read, and the stage

@@ -49,6 +49,7 @@ from eagle3build.attention.merged import MathMergedAttention  # noqa: E402
 from eagle3build.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.draft.target import TargetHead  # noqa: E402
 from eagle3build.train.data import LOSS_ROWS_MULTIPLE, compile_length_multiple  # noqa: E402
+from eagle3build.train.loop import freeze_lm_head  # noqa: E402
 from eagle3build.train.optim import clipped_step  # noqa: E402
 from eagle3build.ttt.batch import PackedBatch, with_loss_rows, with_step_rows  # noqa: E402
 from eagle3build.ttt.forward import ttt_forward  # noqa: E402
@@ -146,11 +147,11 @@ def matmul_tflops(device, n=8192, warmup=3, iters=10) -> dict:
     )
 
 
-def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
+def flops_per_token(shape: dict, T: int, ttt: int, frozen_lm_head: bool = False) -> dict:
     """Model FLOPs per input token of one training step, counted as peer-train-bench counts them.
 
     fc: forward + weight grad (its input is data); layer: 3x forward per TTT step; trainable lm_head:
-    3x; attention: causal keys of the sample plus one diagonal key per earlier step, 3x; target: the
+    3x (frozen, train.freeze_lm_head: 2x, forward and input gradient, as speculators' is counted); attention: causal keys of the sample plus one diagonal key per earlier step, 3x; target: the
     draft-vocab rows of the target's lm_head, forward only (the full-vocab greedy flag is cached).
     """
     H, nh, nkv, hd = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -162,13 +163,14 @@ def flops_per_token(shape: dict, T: int, ttt: int) -> dict:
     attn = sum(2 * 2 * nh * hd * (avg_keys + i) for i in range(ttt))
     target = 2 * H * K
     return dict(
-        flops_per_token=2 * fc + 3 * ttt * (layer + lm) + 3 * attn + target,
+        flops_per_token=2 * fc + 3 * ttt * layer + (2 if frozen_lm_head else 3) * ttt * lm + 3 * attn + target,
         parts=dict(fc=fc, layer_per_step=layer, lm_head_per_step=lm, attention_all_steps=attn, target=target),
     )
 
 
 def memory_estimate(
-    shape: dict, T: int, ttt: int, loss_fraction: float = 1.0, checkpointing: bool = False, loss_chunk: int = 0
+    shape: dict, T: int, ttt: int, loss_fraction: float = 1.0, checkpointing: bool = False, loss_chunk: int = 0,
+    frozen_lm_head: bool = False,
 ) -> dict:
     """Estimated peak GPU memory of one training step (GiB, by part): the bench's step under bf16
     autocast, compiled (docs/TRAINING.md, "Memory"). An estimate, to plan runs: the step measures its peak.
@@ -176,7 +178,8 @@ def memory_estimate(
     static: fp32 weights and AdamW moments of the P trainable weights (12 P bytes), their bf16 copy for
       the step (2 P), the frozen embedding (fp32, 4 V H), the scorer's bf16 lm_head (2 V H) and its draft
       rows (2 K H); of the fp32 gradients (4 P) only lm_head's (4 K H) exists at the peak, the start of
-      backward: the others are allocated as backward frees activations (the step sets them to None).
+      backward: the others are allocated as backward frees activations (the step sets them to None). A
+      frozen lm_head (train.freeze_lm_head) has neither AdamW moments nor that gradient.
     layers: per TTT step, what backward keeps: at each computed row (T at step 0, the M loss rows after)
       its input, attention output, residual sum and gate/up (2 (2 H + nh hd + 2 I) bytes), at every
       token q, output, k, v and the log-sum-exp (2 (2 nh hd + 2 nkv hd) + 4 nh); Inductor recomputes the
@@ -193,7 +196,7 @@ def memory_estimate(
     inter, K, V = shape["intermediate"], shape["draft_vocab"], shape["vocab"]
     q, kv = nh * hd, nkv * hd
     params = 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * inter + K * H
-    static = 14 * params + 4 * V * H + 2 * (V + K) * H + 4 * K * H
+    static = 14 * params + 4 * V * H + 2 * (V + K) * H + 4 * K * H - (12 * K * H if frozen_lm_head else 0)
     M = min(T, math.ceil(loss_fraction * T))
     rows = T + (ttt - 1) * M  # rows computed over all steps
     row, token = 2 * (2 * H + q + 2 * inter), 2 * (2 * q + 2 * kv) + 4 * nh
@@ -359,6 +362,8 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
             result["check_vs_dense_sdpa"] = check_against_dense(
                 draft, scorer, batch, attention, args.ttt, compile_rest, autocast, recompute
             )
+        if args.freeze_lm_head:
+            freeze_lm_head(draft, initialised=True)  # build() copies the target's rows, as training does
         trainable = [p for p in draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), fused=cuda)
 
@@ -392,7 +397,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
             times.append(time.perf_counter() - t0)
         result["gpu_clocks"] = clocks.stop()
         mean = sum(times) / len(times)
-        fm = flops_per_token(shape, T, args.ttt)
+        fm = flops_per_token(shape, T, args.ttt, args.freeze_lm_head)
         # A step that trains nothing runs fast: refuse to report it (every row of this batch has a loss).
         if not all(math.isfinite(float(x)) and float(x) > 0 for x in losses):
             raise RuntimeError(f"losses {[round(float(x), 5) for x in losses]}: the step trained no row")
@@ -422,9 +427,9 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
 def memory_switches(args, shape: dict, T: int) -> dict:
     """A result's memory switches and its estimated peak (memory_estimate, GiB)."""
     estimate = memory_estimate(shape, T, args.ttt, args.loss_fraction, args.activation_checkpointing,
-                               args.loss_chunk_tokens)
+                               args.loss_chunk_tokens, args.freeze_lm_head)
     return dict(activation_checkpointing=args.activation_checkpointing, loss_chunk_tokens=args.loss_chunk_tokens,
-                peak_estimate_gib=estimate)
+                freeze_lm_head=args.freeze_lm_head, peak_estimate_gib=estimate)
 
 
 def dry_run(args, shape: dict) -> int:
@@ -434,7 +439,8 @@ def dry_run(args, shape: dict) -> int:
         for name, ckpt, chunk in (("plain", False, 0), ("checkpointing", True, 0),
                                   ("chunked_loss", False, args.loss_chunk_tokens or 2048),
                                   ("both", True, args.loss_chunk_tokens or 2048)):
-            row[f"estimate_{name}_gib"] = memory_estimate(shape, T, args.ttt, args.loss_fraction, ckpt, chunk)["total"]
+            row[f"estimate_{name}_gib"] = memory_estimate(shape, T, args.ttt, args.loss_fraction, ckpt, chunk,
+                                                          args.freeze_lm_head)["total"]
         print(json.dumps(row), flush=True)
     return 0
 
@@ -492,6 +498,8 @@ def main() -> int:
                     help="recompute each TTT step's layer in backward (train.activation_checkpointing)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="ROWS",
                     help="the loss over chunks of ROWS loss rows (train.loss_chunk_tokens; 0: all at once)")
+    ap.add_argument("--freeze-lm-head", action="store_true",
+                    help="the draft's lm_head frozen at the target's rows (train.freeze_lm_head; speculators' default)")
     ap.add_argument("--dry", action="store_true",
                     help="print the estimated peak memory of each length (memory_estimate) and run nothing")
     ap.add_argument("--variants", default="compiled,flex-only", help="tried in order until one succeeds")
@@ -550,6 +558,7 @@ def main() -> int:
     ok = [r for r in report["results"] if r["ok"]]
     for r in ok:
         switches = ("" if not r["activation_checkpointing"] else " checkpointed") + (
+            " frozen lm_head" if r.get("freeze_lm_head") else "") + (
             f" loss chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "")
         print(
             f"T={r['T']} {r['variant']}{switches}: {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%, "

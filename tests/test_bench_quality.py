@@ -39,7 +39,7 @@ def test_every_variant_is_a_valid_config_with_its_own_output_root(name):
 def test_each_variant_shares_exactly_the_stages_its_override_leaves_alone():
     shared = {name: quality.shared_stages(BASE, variant(name)) for name in quality.VARIANTS}
     upstream = ["data", "regen", "tokens"]
-    for head in ("norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "steps_8000"):
+    for head in ("norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "frozen_lm_head", "steps_8000"):
         assert shared[head] == [*upstream, "hidden", "vocab"], head  # trains, exports and evaluates anew
     evaluate_only = quality.merged(BASE, {"evaluate": {"max_new_tokens": 64}})
     assert quality.shared_stages(BASE, evaluate_only) == [*upstream, "hidden", "vocab", "train", "export"]

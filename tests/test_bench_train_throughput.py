@@ -40,6 +40,24 @@ def test_smoke_run_with_both_memory_switches_trains_and_matches_the_dense_path(t
     assert set(result["peak_estimate_gib"]) == {"static", "layers", "loss", "data", "backward_end", "total"}
 
 
+def test_a_frozen_lm_head_trains_the_rest_and_counts_its_flops_as_speculators_does(tmp_path):
+    """--freeze-lm-head (train.freeze_lm_head): the step runs and learns without the lm_head's weight
+    gradient, which the FLOPs count and the memory estimate leave out (peer-train-bench counts speculators'
+    frozen lm_head the same way)."""
+    out = tmp_path / "r.json"
+    run_bench(tmp_path, "--preset", "tiny", "--device", "cpu", "--seq", "64", "--warmup", "2", "--steps", "2",
+              "--variants", "flex-only", "--check-seq", "64", "--freeze-lm-head", "--lr", "1e-2", "--out", str(out))
+    (result,) = json.loads(out.read_text())["runs"][0]["results"]
+    assert result["ok"] and result["freeze_lm_head"] and result["losses"][-1] < result["losses"][0]
+    assert result["check_vs_dense_sdpa"]["max_grad_rel_diff"] < 1e-4
+    shape, ttt = bench.PRESETS["tiny"], result["ttt"]
+    trained = bench.flops_per_token(shape, 64, ttt)
+    assert result["flops"]["flops_per_token"] == trained["flops_per_token"] - ttt * trained["parts"]["lm_head_per_step"]
+    kimi = bench.PRESETS["kimi"]
+    saved = bench.memory_estimate(kimi, 4096, 7)["static"] - bench.memory_estimate(kimi, 4096, 7, frozen_lm_head=True)["static"]
+    assert abs(saved - 12 * kimi["draft_vocab"] * kimi["hidden"] / 2**30) < 0.02  # AdamW moments, fp32 gradient
+
+
 def test_dry_run_prints_the_kimi_memory_plan_without_running(tmp_path):
     proc = run_bench(tmp_path, "--preset", "kimi", "--seq", "4096", "8192", "16384", "--dry", "--device", "cpu")
     rows = [json.loads(line) for line in proc.stdout.splitlines()]

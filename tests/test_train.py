@@ -175,6 +175,28 @@ def test_training_lowers_the_loss_and_writes_outputs(inputs, tmp_path):
     assert not list(out.glob(".*tmp"))
 
 
+def test_a_frozen_lm_head_keeps_the_targets_rows_and_ships_them(inputs, tmp_path):
+    """train.freeze_lm_head (speculators' default): the lm_head stays the target's draft-vocab rows (no
+    gradient, no AdamW state), the rest trains, the loss still falls, and the head it writes carries the
+    rows; a run with it is another run (params hash). Without trained rows to start from it is refused."""
+    from eagle3build.draft.target import load_target_head
+    from eagle3build.errors import ConfigError
+
+    frozen_summary, out, state = run(inputs, tmp_path / "frozen", epochs=4, freeze_lm_head=True)
+    weights = load_file(str(out / "draft.safetensors"))
+    kept = torch.arange(64)  # write_mapping keeps ids < 64: d2t is all zeros
+    assert torch.equal(weights["lm_head.weight"], load_target_head(inputs["target"]).lm_head[kept].float())
+    checkpoint = load_file(str(sorted(state.glob("*/ckpt-*.safetensors"))[-1]))
+    assert "model.lm_head.weight" not in checkpoint and "model.fc.weight" in checkpoint  # no state to keep
+    assert not any("lm_head" in k for k in checkpoint if k.startswith("optim."))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert lines[-1]["loss"] < 0.8 * lines[0]["loss"]
+    plain_summary, _, _ = run(inputs, tmp_path / "plain", epochs=4)
+    assert plain_summary["params_hash"] != frozen_summary["params_hash"]
+    with pytest.raises(ConfigError, match="train.freeze_lm_head"):
+        run(inputs, tmp_path / "random", freeze_lm_head=True, init_lm_head_from_target=False)
+
+
 def _final_weights(out: Path) -> dict:
     state = sorted((out.parent / "state").glob("*/ckpt-*.safetensors"))[-1]
     return {k: v for k, v in load_file(str(state)).items() if k.startswith(("model.", "optim."))}

@@ -123,10 +123,13 @@ def save_checkpoint(
 def save_best(
     run_dir: Path, draft: Eagle3Draft, config: DraftConfig, step: int, val, trainable: dict | None = None
 ) -> None:
-    """`best.safetensors`: the trainable weights (`trainable`: gathered ones, FSDP2) plus d2t/t2d under
-    the EAGLE-3 names, fp32, with the draft config, step and validation metrics as metadata."""
+    """`best.safetensors`: the trainable weights (`trainable`: gathered ones, FSDP2), the lm_head also when
+    frozen, plus d2t/t2d under the EAGLE-3 names, fp32, with the draft config, step and validation metrics
+    as metadata."""
     trainable = draft.trainable_state_dict() if trainable is None else trainable
     tensors = {n: t.float().cpu() for n, t in trainable.items()}
+    if "lm_head.weight" not in tensors:  # train.freeze_lm_head: the head still ships its (frozen) rows
+        tensors["lm_head.weight"] = draft.lm_head.weight.detach().float().cpu()
     tensors["d2t"], tensors["t2d"] = draft.d2t.cpu(), draft.t2d.cpu()
     save_safetensors_atomic(
         run_dir / "best.safetensors", tensors, {"draft_config": config.to_dict(), "step": step, "val": val}

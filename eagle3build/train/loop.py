@@ -50,7 +50,7 @@ from eagle3build.ttt.recompute import Recompute
 from eagle3build.ttt.scorer import TargetScorer
 
 # The head variants and the loss (docs/TRAINING.md); norm_before_residual is older and always hashed.
-HEAD_VARIANT_KEYS = ("norm_before_fc", "fc_norm", "norm_output", "loss", "lk_eta")
+HEAD_VARIANT_KEYS = ("norm_before_fc", "fc_norm", "norm_output", "loss", "lk_eta", "freeze_lm_head")
 
 
 def resolve_params(params: dict | None) -> dict:
@@ -83,6 +83,26 @@ def hashed_params(p: dict, fsdp: bool) -> dict:
     if p["init_from"]:
         hashed["init_from"] = head_identity(p["init_from"])
     return hashed
+
+
+def starting_weights(draft: Eagle3Draft, p: dict, d: Dist) -> dict | None:
+    """The head `train.init_from` names copied into the draft (a warm start: its report, else None), then
+    its lm_head frozen where `train.freeze_lm_head` says."""
+    warm = warm_start(draft, p["init_from"]) if p["init_from"] else None
+    if warm:
+        log(f"warm start from {warm['init_from']}: lm_head {warm['lm_head']}", d)
+    if p["freeze_lm_head"]:
+        freeze_lm_head(draft, p["init_lm_head_from_target"] or warm is not None)
+    return warm
+
+
+def freeze_lm_head(draft: Eagle3Draft, initialised: bool) -> None:
+    """train.freeze_lm_head: the draft's lm_head keeps the rows it starts from (set before the optimiser
+    and FSDP2 see the parameters: frozen, it gets no AdamW state and stays replicated)."""
+    if not initialised:
+        raise ConfigError("train.freeze_lm_head", "a frozen lm_head must start from trained rows: set "
+                          "train.init_lm_head_from_target: true or train.init_from (a random one would stay random)")
+    draft.lm_head.weight.requires_grad_(False)
 
 
 def choose_attention(name: str, device: torch.device) -> str:
@@ -228,9 +248,7 @@ def train(
         target, len(d2t), data.layer_ids[:3], {k: p[k] for k in DraftConfig.OVERRIDABLE}
     )
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
-    warm = warm_start(draft, p["init_from"]) if p["init_from"] else None  # train.init_from: a published head
-    if warm:
-        log(f"warm start from {warm['init_from']}: lm_head {warm['lm_head']}", d)
+    warm = starting_weights(draft, p, d)  # train.init_from, train.freeze_lm_head
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)
     del target
     objective = Objective.from_params(p)
