@@ -138,10 +138,27 @@ def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 2) -> N
     write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
 
 
+def metadata_strings(metadata: dict | None) -> dict[str, str]:
+    """safetensors metadata (all strings) for `metadata`: values as JSON, plain text as it is (e.g. transformers'
+    "format": "pt"). Text that would read back as another JSON value (a params hash such as "1436699310444e26"
+    is a number to json.loads) is written quoted, so `shards.parse_metadata` gives back the text."""
+
+    def encode(v) -> str:
+        if not isinstance(v, str):
+            return json.dumps(v)
+        try:
+            json.loads(v)
+        except ValueError:
+            return v
+        return json.dumps(v)
+
+    return {k: encode(v) for k, v in (metadata or {}).items()}
+
+
 def save_safetensors_atomic(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> None:
     from safetensors.torch import save_file
 
-    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    meta = metadata_strings(metadata)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_path(path, need_bytes=need) as tmp:

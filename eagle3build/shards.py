@@ -21,7 +21,13 @@ import torch
 from safetensors import safe_open
 
 from eagle3build import FORMAT_VERSIONS
-from eagle3build.atomic import atomic_path, is_no_space, no_space_error, save_safetensors_atomic
+from eagle3build.atomic import (
+    atomic_path,
+    is_no_space,
+    metadata_strings,
+    no_space_error,
+    save_safetensors_atomic,
+)
 from eagle3build.errors import UserError
 
 TOKENS_FORMAT = "eagle3build.tokens"
@@ -33,10 +39,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32",
               torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.float16: "F16"}
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-
-
-def _meta_str(meta: dict) -> dict[str, str]:
-    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
 
 
 def parse_metadata(meta: dict[str, str]) -> dict:
@@ -99,7 +101,7 @@ def write_tokens(path, input_ids: list, loss_masks: list, meta: dict) -> None:
     mask = torch.cat([torch.as_tensor(m, dtype=torch.uint8) for m in loss_masks]) if loss_masks else torch.zeros(0, dtype=torch.uint8)
     full = {"format": TOKENS_FORMAT, "format_version": FORMAT_VERSIONS["tokens"],
             "num_samples": len(lengths), "num_tokens": int(sum(lengths)), **meta}
-    save_safetensors_atomic(path, {"input_ids": ids, "loss_mask": mask, "cu_seqlens": _cu_seqlens(lengths)}, _meta_str(full))
+    save_safetensors_atomic(path, {"input_ids": ids, "loss_mask": mask, "cu_seqlens": _cu_seqlens(lengths)}, full)
 
 
 def read_tokens(path) -> TokenShard:
@@ -241,7 +243,7 @@ class HiddenShardWriter:
             header[name] = {"dtype": _ST_DTYPES[dt], "shape": shape, "data_offsets": [pos, pos + nbytes]}
             offsets[name] = pos
             pos += nbytes
-        header["__metadata__"] = _meta_str(full_meta)
+        header["__metadata__"] = metadata_strings(full_meta)
         hjson = json.dumps(header, separators=(",", ":")).encode()
         hjson += b" " * (-len(hjson) % 8)
         self._data_start = 8 + len(hjson)
@@ -443,7 +445,7 @@ class HiddenShardWriter:
 # ---------------------------------------------------------------- count shards
 def write_counts(path, counts: torch.Tensor, meta: dict) -> None:
     full = {"format": COUNTS_FORMAT, "format_version": FORMAT_VERSIONS["vocab"], "vocab_size": int(counts.numel()), **meta}
-    save_safetensors_atomic(path, {"counts": counts.to(torch.int64)}, _meta_str(full))
+    save_safetensors_atomic(path, {"counts": counts.to(torch.int64)}, full)
 
 
 def read_counts(path) -> tuple[torch.Tensor, dict]:

@@ -110,3 +110,21 @@ def test_corrupted_shard_is_named(tmp_path):
         read_meta(tmp_path / "bad.safetensors")
     with pytest.raises(UserError, match="expected a 'eagle3build.hidden' shard"):
         read_hidden(tmp_path / "t.safetensors")
+
+
+def test_metadata_text_that_reads_as_json_comes_back_as_text(tmp_path):
+    """A params hash of digits and one 'e' ("1436699310444e26") is a number to json.loads: once stored raw it
+    read back as 1.4e38 and a resumed trainer refused its own checkpoint. Such text is stored quoted; plain
+    text stays raw (transformers reads "format": "pt" as is); other values round-trip as JSON."""
+    from safetensors import safe_open
+
+    from eagle3build.atomic import save_safetensors_atomic
+    from eagle3build.shards import read_meta
+
+    meta = {"params_hash": "1436699310444e26", "flag": "true", "quoted": '"x"', "format": "pt", "step": 3,
+            "val": {"tau": 2.5}, "none": None}
+    path = tmp_path / "m.safetensors"
+    save_safetensors_atomic(path, {"x": torch.zeros(1)}, meta)
+    assert read_meta(path) == meta
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["format"] == "pt"
