@@ -28,9 +28,9 @@ it links the new files, and Snakemake rebuilds what follows them in each variant
 
 Parallel. With --parallel N the base first builds every stage another variant takes from it (`make run` with
 `--until` those stages' rules), then all variants, the base's own rest included, build N at a time, each a
-`make run` of its own output root (Snakemake's locks are per file, so the runs never meet). Where there are
-at least N GPUs each build gets its own share (CUDA_VISIBLE_DEVICES); else they share them (for a small head
-whose step leaves the GPU partly idle). --free-hidden builds one variant at a time and cannot be combined.
+`make run` of its own output root (Snakemake's locks are per file, so the runs never meet). Each build gets
+1/N of the host's cores (make's CORES) and, where there are at least N GPUs, its own share of them
+(CUDA_VISIBLE_DEVICES); else they share the GPUs (for a small head whose step leaves the GPU partly idle). --free-hidden builds one variant at a time and cannot be combined.
 
 Regeneration. The base config regenerates through an OpenAI-compatible server. With --serve-regeneration,
 a variant whose dry-run plans regenerate jobs gets one: `vllm serve TARGET --port <regenerate.url's port>`
@@ -481,15 +481,17 @@ def variant_result(name: str, override: dict, built: dict, root: Path, config: d
 
 
 def device_groups(parallel: int) -> list[dict]:
-    """The environment of each of `parallel` concurrent builds: a share of the GPUs each where there are at
-    least as many GPUs as builds, else all of them for every build (they share the devices)."""
+    """The environment of each of `parallel` concurrent builds: a share of the host's cores (make's CORES:
+    each build's train job takes its run's cores) and of the GPUs where there are at least as many GPUs as
+    builds, else all GPUs for every build (they share the devices)."""
     import torch
 
+    cores = {"CORES": str(max(1, len(os.sched_getaffinity(0)) // parallel))}
     count = torch.cuda.device_count()
     if count < parallel:
-        return [{} for _ in range(parallel)]
+        return [dict(cores) for _ in range(parallel)]
     per = count // parallel
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * per, (i + 1) * per))}
+    return [{**cores, "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * per, (i + 1) * per))}
             for i in range(parallel)]
 
 

@@ -175,10 +175,12 @@ def test_parallel_builds_take_their_own_gpus_or_share_them(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert quality.device_groups(4) == [{"CUDA_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}"} for i in range(4)]
-    assert quality.device_groups(3) == [{"CUDA_VISIBLE_DEVICES": v} for v in ("0,1", "2,3", "4,5")]
+    monkeypatch.setattr(quality.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert quality.device_groups(4) == [{"CORES": "4", "CUDA_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}"}
+                                        for i in range(4)]
+    assert quality.device_groups(3) == [{"CORES": "5", "CUDA_VISIBLE_DEVICES": v} for v in ("0,1", "2,3", "4,5")]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert quality.device_groups(3) == [{}, {}, {}]
+    assert quality.device_groups(3) == [{"CORES": "5"}] * 3  # the cores are still shared out
 
 
 def test_the_base_builds_up_to_the_last_shared_stages_only():
