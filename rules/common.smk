@@ -303,7 +303,7 @@ def preflight():
     """Before jobs run (not on dry-runs): fail in seconds when the pieces do not fit."""
     from eagle3build.doctor import preflight as check
     from eagle3build.extraction.devices import forget_devices
-    from eagle3build.extraction.job import write_shard_plan
+    from eagle3build.extraction.plan import write_shard_plan
 
     check(config, "extract", echo=print)
     check_image_labels(workflow.dag.needrun_jobs())

@@ -17,13 +17,14 @@ from transformers import AutoModelForCausalLM
 from eagle3build.config import resolve_section
 from eagle3build.errors import UserError
 from eagle3build.extraction.devices import device_slot, forget_devices, visible_devices
-from eagle3build.extraction.hf_server import Extractor, check_disk, length_batches
-from eagle3build.extraction.job import (
-    extract_shard,
+from eagle3build.extraction.disk import check_disk
+from eagle3build.extraction.hf_server import Extractor, length_batches
+from eagle3build.extraction.job import extract_shard, stop_servers
+from eagle3build.extraction.plan import (
     mirrored_shards,
     pending_token_shards,
     planned_shards,
-    stop_servers,
+    untokenized_shards,
     write_shard_plan,
 )
 from eagle3build.shards import read_hidden, read_meta, write_tokens
@@ -116,6 +117,22 @@ def test_disk_check_refuses_with_numbers(tmp_path):
     assert check_disk(str(tmp_path / "h.safetensors"), [str(tmp_path / "t.safetensors")], 32, "bf16", 0.0) == 2 * need
 
 
+def test_shards_not_tokenized_yet_count_at_the_mean_of_the_tokenized(tmp_path):
+    """The tokens stage runs beside extraction: a run's first extraction jobs see few token shards. The ones
+    still to come count at the mean size of the others, so a run that cannot fit stops at its first job (on
+    an H100, a bf16 run stopped only after extracting 18 of 56 shards)."""
+    for i, n in enumerate((1000, 3000)):
+        make_token_shard(tmp_path / f"t{i}.safetensors", 128, [n])
+    tokens = [str(tmp_path / f"t{i}.safetensors") for i in range(2)]
+    alone = check_disk(str(tmp_path / "h.safetensors"), tokens, 32, "bf16", 0.0)
+    assert check_disk(str(tmp_path / "h.safetensors"), tokens, 32, "bf16", 0.0, untokenized=3) == alone * 5 // 2
+    with pytest.raises(UserError, match=r"for 5 shard\(s\), 3 of them not tokenized yet and estimated"):
+        check_disk(str(tmp_path / "h.safetensors"), tokens, 4096, "bf16", 1e6, untokenized=3)
+    plan = [(str(tmp_path / f"t{i}.safetensors"), str(tmp_path / f"h{i}.safetensors")) for i in range(5)]
+    (tmp_path / "h4.safetensors").touch()  # extracted, its tokens since deleted: not to come
+    assert untokenized_shards(plan) == 2
+
+
 def test_pending_shards_are_the_runs_token_shards_not_yet_extracted(tmp_path):
     run_dir = tmp_path / "run"
     tokens = [str(tmp_path / "tokens" / "d" / f"{i:05d}.safetensors") for i in range(3)]
@@ -193,8 +210,10 @@ def test_server_loads_once_and_serves_several_shards(tiny_llama, tmp_path):
                               {**params, "aux_layer_ids": [0, 2, 5]}, str(run_dir))
         assert read_meta(tmp_path / "h2.safetensors")["layer_ids"] == [0, 2, 5, 6]
         # The disk check runs in the server (the job imports no torch): a refusal names the numbers and the fix,
-        # writes nothing, and the server goes on serving.
-        with pytest.raises(UserError, match=r"needs .* GB .* free.*storage_dtype: fp8"):
+        # writes nothing, and the server goes on serving. A shard of the run not tokenized yet counts too.
+        write_shard_plan(run_dir, [str(tmp_path / "t1.safetensors"), str(tmp_path / "t9.safetensors")],
+                         [str(tmp_path / "h3.safetensors"), str(tmp_path / "h9.safetensors")])
+        with pytest.raises(UserError, match=r"needs .* GB for 2 shard\(s\), 1 of them not tokenized yet.* free.*fp8"):
             extract_shard(str(tmp_path / "t1.safetensors"), str(tmp_path / "h3.safetensors"), target,
                           {**params, "aux_layer_ids": [0, 2, 5], "disk_reserve_gb": 1e9}, str(run_dir))
         assert not (tmp_path / "h3.safetensors").exists()
@@ -220,7 +239,8 @@ def test_server_start_failure_reports_log(tmp_path):
 
 def test_shard_job_side_imports_no_torch(tmp_path):
     """A shard job is a client of the server: importing torch would idle the GPU for that long every shard."""
-    code = ("import sys, eagle3build.extraction.job as e; e.pending_token_shards(e.planned_shards('.'), 't'); "
+    code = ("import sys, eagle3build.extraction.job, eagle3build.extraction.plan as e; "
+            "e.pending_token_shards(e.planned_shards('.'), 't'); "
             "assert 'torch' not in sys.modules, 'the job side imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
 

@@ -19,6 +19,7 @@ import torch
 from eagle3build.engine import process
 from eagle3build.errors import ConfigError, UserError
 from eagle3build.extraction import vllm as vllm_backend
+from eagle3build.extraction.plan import write_shard_plan
 from eagle3build.extraction.vllm import VllmServer, build_command, extract_shard_vllm, stop_servers
 from eagle3build.shards import read_hidden, read_tokens, write_tokens
 
@@ -289,6 +290,20 @@ def test_extract_writes_the_hidden_shard_format(shared_run, tmp_path, storage_dt
     assert got.meta["storage_dtype"] == storage_dtype and got.meta["format"] == "eagle3build.hidden"
     connector = VllmServer(shared_run, params).storage_path
     assert list(connector.iterdir()) == []  # every connector file and lock was deleted
+
+
+def test_the_run_wide_disk_check_refuses_before_any_request(tmp_path):
+    """As the HF backend: the disk must hold this shard and the run's others not yet extracted (those not
+    tokenized yet at the tokenized ones' mean), checked before the job starts or asks a server anything."""
+    run_dir = tmp_path / "run"
+    tokens = [tmp_path / "tokens" / f"{i}.safetensors" for i in range(3)]
+    tokens[0].parent.mkdir()
+    make_token_shard(tokens[0], lengths=(4, 6, 8))
+    write_shard_plan(run_dir, [str(t) for t in tokens], [str(tmp_path / "hidden" / t.name) for t in tokens])
+    params = {**make_params(run_dir), "disk_reserve_gb": 1e6}
+    with pytest.raises(UserError, match=r"extraction needs .* for 3 shard\(s\), 2 of them not tokenized yet"):
+        extract_shard_vllm(str(tokens[0]), str(tmp_path / "hidden" / "0.safetensors"), params, str(run_dir))
+    assert not VllmServer(run_dir, params).state_path.exists()  # no server was started
 
 
 def test_transient_faults_are_retried(shared_run, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from eagle3build.doctor.context import GB, Check, Context
 from eagle3build.doctor.engine import cache_plan, describe_cache_plan
-from eagle3build.extraction.job import mirrored_shards, pending_token_shards
+from eagle3build.extraction.plan import mirrored_shards, pending_token_shards
 from eagle3build.extraction.vllm import file_threads
 from eagle3build.shards import hidden_bytes_per_token, read_meta
 

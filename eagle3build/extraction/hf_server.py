@@ -14,11 +14,9 @@ real tokens are stored, packed back to back, by a writer thread that overlaps di
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import secrets
-import shutil
 import socket
 import sys
 import time
@@ -29,6 +27,7 @@ import torch
 from eagle3build.atomic import write_json_atomic
 from eagle3build.engine.process import end_self, start_ticks, watch_owner
 from eagle3build.errors import UserError
+from eagle3build.extraction.disk import check_disk
 from eagle3build.extraction.protocol import (
     PROTOCOL_VERSION,
     READ_TIMEOUT_S,
@@ -37,7 +36,7 @@ from eagle3build.extraction.protocol import (
     recv_request,
     send_message,
 )
-from eagle3build.shards import HiddenShardWriter, hidden_bytes_per_token, read_meta, read_tokens
+from eagle3build.shards import HiddenShardWriter, read_tokens
 from eagle3build.trust import check_trust
 
 
@@ -155,39 +154,10 @@ def _progress(total: int, desc: str, enabled: bool):
                 mininterval=2.0)
 
 
-# ---------------------------------------------------------------- disk estimate
-def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage_dtype: str,
-               reserve_gb: float) -> int:
-    """Refuse (UserError) unless the disk holds every listed, not yet extracted shard. Returns bytes needed."""
-    per_token = hidden_bytes_per_token(hidden_size, storage_dtype)
-    need = sum(_num_tokens(p, *_version(p)) for p in tokens_paths) * per_token
-    folder = Path(out_path).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    reserve = int(reserve_gb * 1e9)
-    if need + reserve > free:
-        raise UserError(f"{folder}: extraction needs {need / 1e9:.2f} GB for {len(tokens_paths)} shard(s) "
-                        f"({per_token} bytes/token, {storage_dtype}) + {reserve_gb} GB reserve, but only "
-                        f"{free / 1e9:.2f} GB is free. Free space, move output_root, or set "
-                        f"extract.storage_dtype: fp8 (halves the bytes)")
-    return need
-
-
-def _version(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_mtime_ns, st.st_size
-
-
-@functools.cache
-def _num_tokens(path: str, mtime_ns: int, size: int) -> int:
-    """A token shard's token count, read once per version of the file: the server checks the disk for every
-    pending shard before each job's shard (a stat per shard once cached, instead of a header read)."""
-    return int(read_meta(path)["num_tokens"])
-
-
 def run_request(extractor: Extractor, req: dict) -> dict:
     """One shard job's request: refuse unless the disk holds every pending shard, then extract."""
-    check_disk(req["out"], req["pending"], extractor.hidden_size, req["storage_dtype"], req["disk_reserve_gb"])
+    check_disk(req["out"], req["pending"], extractor.hidden_size, req["storage_dtype"], req["disk_reserve_gb"],
+               req.get("untokenized", 0))
     return extractor.extract_shard(req["tokens"], req["out"], req["storage_dtype"], req["batch_tokens"],
                                    req["max_batch_size"], req["meta"])
 

@@ -23,17 +23,14 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
-from eagle3build.atomic import write_json_atomic
 from eagle3build.engine import process
 from eagle3build.errors import UserError
 from eagle3build.extraction.devices import device_slot, forget_devices, visible_devices
+from eagle3build.extraction.plan import pending_token_shards, planned_shards, untokenized_shards
 from eagle3build.extraction.protocol import PROTOCOL_VERSION, call
 from eagle3build.trust import check_trust
-
-SHARD_PLAN = "extract-shards.json"  # in the run dir: every (token shard, hidden shard) of the run
 
 
 def identity_of(target: dict, aux_layer_ids: list[int], device: str) -> dict:
@@ -96,38 +93,6 @@ def release_devices(run_dir: str | os.PathLike, stage: str) -> int:
     return stopped
 
 
-# ---------------------------------------------------------------- the shards of a run
-def write_shard_plan(run_dir: str | os.PathLike, tokens: list[str], hidden: list[str]) -> None:
-    """Record every token shard of the run with the hidden shard extracted from it (the workflow's list,
-    written at the start of each run)."""
-    write_json_atomic(Path(run_dir) / SHARD_PLAN, [list(pair) for pair in zip(tokens, hidden, strict=True)],
-                      indent=None)
-
-
-def planned_shards(run_dir: str | os.PathLike) -> list[tuple[str, str]]:
-    """(token shard, hidden shard) of every shard of the run; none when the run recorded no plan."""
-    try:
-        return [(t, h) for t, h in json.loads((Path(run_dir) / SHARD_PLAN).read_text())]
-    except FileNotFoundError:
-        return []
-
-
-def mirrored_shards(tokens_dir: str | os.PathLike, hidden_dir: str | os.PathLike) -> list[tuple[str, str]]:
-    """(token shard, hidden shard) for every `<ds>/<shard>.safetensors` under tokens_dir, whose hidden shard
-    has the same relative path under hidden_dir."""
-    tokens_dir = Path(tokens_dir)
-    return [(str(t), str(Path(hidden_dir) / t.relative_to(tokens_dir)))
-            for t in tokens_dir.glob("*/*.safetensors")]
-
-
-def pending_token_shards(shards: Iterable[tuple[str, str]], this_shard: str | None = None) -> list[str]:
-    """The token shards (of (token shard, hidden shard) pairs) that exist and whose hidden shard does not
-    yet, with this_shard: what the rest of the run will write."""
-    pending = {os.path.normpath(this_shard)} if this_shard else set()
-    pending.update(os.path.normpath(t) for t, h in shards if not os.path.exists(h) and os.path.exists(t))
-    return sorted(pending)
-
-
 # ---------------------------------------------------------------- the shard job
 def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, run_dir: str) -> dict:
     """Extract one token shard into a hidden shard (the `extract` rule's body, HF backend).
@@ -141,10 +106,11 @@ def extract_shard(tokens_path: str, out_path: str, target: dict, params: dict, r
     check_trust(target)  # before a server that loads the target (and any code it ships) starts
     run_dir = Path(run_dir)
     devices = visible_devices(params["devices"], run_dir)
-    pending = pending_token_shards(planned_shards(run_dir), tokens_path)
+    plan = planned_shards(run_dir)
+    pending = pending_token_shards(plan, tokens_path)
     request = {"tokens": str(Path(tokens_path).resolve()), "out": str(Path(out_path).resolve()),
                # abspath, not resolve: no syscalls for each of up to 10,000 pending shards
-               "pending": [os.path.abspath(t) for t in pending],
+               "pending": [os.path.abspath(t) for t in pending], "untokenized": untokenized_shards(plan),
                "disk_reserve_gb": float(params["disk_reserve_gb"]), "storage_dtype": params["storage_dtype"],
                "batch_tokens": int(params["batch_tokens"]), "max_batch_size": int(params["max_batch_size"]),
                "meta": {"image": params.get("image") or ""}}

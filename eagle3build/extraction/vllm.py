@@ -67,6 +67,8 @@ from eagle3build.engine.vllm_server import (
     server_config,
 )
 from eagle3build.errors import ConfigError, UserError
+from eagle3build.extraction.disk import check_disk
+from eagle3build.extraction.plan import pending_token_shards, planned_shards, untokenized_shards
 from eagle3build.shards import NUM_SLOTS, HiddenShardWriter, read_tokens
 
 CONNECTOR = "ExampleHiddenStatesConnector"
@@ -451,6 +453,9 @@ def extract_shard_vllm(tokens_path: str, out_path: str, params: dict, run_dir: s
     server = VllmServer(run_dir, params)
     params = server.params
     hidden_size = int(params["hidden_size"])
+    plan = planned_shards(run_dir)  # the run's other shards not yet extracted must fit too, before any request
+    check_disk(out_path, pending_token_shards(plan, tokens_path), hidden_size, params["storage_dtype"],
+               float(params["disk_reserve_gb"]), untokenized_shards(plan))
     meta = {
         "model": str(params["model"]),
         "revision": params.get("revision") or "",  # as the HF backend writes it
