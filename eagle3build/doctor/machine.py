@@ -7,9 +7,10 @@ from pathlib import Path
 
 from eagle3build.doctor.context import GB, Check, Context
 from eagle3build.doctor.engine import cache_plan, describe_cache_plan
+from eagle3build.extraction.disk import tokens_to_extract
 from eagle3build.extraction.plan import mirrored_shards, pending_token_shards
 from eagle3build.extraction.vllm import file_threads
-from eagle3build.shards import hidden_bytes_per_token, read_meta
+from eagle3build.shards import hidden_bytes_per_token
 
 
 def _weights_bytes(ctx: Context) -> int | None:
@@ -110,7 +111,7 @@ def check_disk(ctx: Context) -> Check:
     per_million = f"{per_token * 1e6 / GB:.1f} GB per million tokens ({storage})"
     root = ctx.output_root
     pending = pending_token_shards(mirrored_shards(root / "tokens", root / "hidden"))
-    remaining = sum(int(read_meta(tokens).get("num_tokens", 0)) for tokens in pending)
+    remaining = tokens_to_extract(pending)
     shards = len(pending)
     free = shutil.disk_usage(_existing_parent(root)).free
     reserve = float(ctx.extract["disk_reserve_gb"]) * GB

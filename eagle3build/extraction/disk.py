@@ -20,10 +20,7 @@ def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage
     """Refuse (UserError) unless the disk holds every listed, not yet extracted shard, and `untokenized`
     more at the listed ones' mean token count. Returns the bytes needed."""
     per_token = hidden_bytes_per_token(hidden_size, storage_dtype)
-    tokens = sum(_num_tokens(p, *_version(p)) for p in tokens_paths)
-    if tokens_paths and untokenized:
-        tokens += untokenized * tokens // len(tokens_paths)
-    need = tokens * per_token
+    need = tokens_to_extract(tokens_paths, untokenized) * per_token
     folder = Path(out_path).parent
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
@@ -35,6 +32,15 @@ def check_disk(out_path: str, tokens_paths: list[str], hidden_size: int, storage
                         f"reserve, but only {free / 1e9:.2f} GB is free. Free space, move output_root, or set "
                         f"extract.storage_dtype: fp8 (halves the bytes)")
     return need
+
+
+def tokens_to_extract(tokens_paths: list[str], untokenized: int = 0) -> int:
+    """The tokens of the listed token shards, plus `untokenized` more shards at their mean count: what the
+    rest of the run extracts (the doctor's disk row and the jobs' check read the same figure)."""
+    tokens = sum(_num_tokens(p, *_version(p)) for p in tokens_paths)
+    if tokens_paths and untokenized:
+        tokens += untokenized * tokens // len(tokens_paths)
+    return tokens
 
 
 def _version(path: str) -> tuple[int, int]:
