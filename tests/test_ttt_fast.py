@@ -265,6 +265,40 @@ def test_step_rows_give_every_loss_count_and_gradient_of_all_rows(attention):
     assert float(got.count.sum()) == 0 and float(got.loss_sum.detach().abs().sum()) == 0
 
 
+@pytest.mark.parametrize("attention", ["merged", "flash", "sdpa"])
+@pytest.mark.parametrize("step_rows", [True, False])
+def test_every_step_hands_the_layer_the_same_memory_layout(monkeypatch, attention, step_rows):
+    """The compiled second half of the layer is guarded on its inputs' strides: step 0's attention output
+    (the kernel's) and the later steps' (the diagonal merge's) must reach it laid out alike, or each batch
+    length compiles it twice (a real run went past dynamo's recompile limit and ran the rest eagerly)."""
+    from test_model_ttt import random_samples, tiny_draft
+
+    from eagle3build.attention.factory import make_attention
+    from eagle3build.attention.merged import MathMergedAttention
+    from eagle3build.ttt import forward
+    from eagle3build.ttt.batch import pack, pad_batch, with_loss_rows, with_step_rows
+
+    seen = []
+    layer_out = forward._layer_out
+
+    def spy(model, fused, attn_rows, residual):
+        seen.append((tuple(attn_rows.shape), attn_rows.stride(), tuple(residual.shape), residual.stride()))
+        return layer_out(model, fused, attn_rows, residual)
+
+    monkeypatch.setattr(forward, "_layer_out", spy)
+    model, _, scorer = tiny_draft()
+    samples = random_samples([14, 6, 16], seed=7)
+    for _ids, mask, _ in samples:
+        mask[:5] = False
+    batch = with_loss_rows(pad_batch(pack(samples), 16), 3, 4)
+    if step_rows:
+        batch = with_step_rows(batch, 4)
+        assert batch.step_rows is not None
+    attend = MathMergedAttention() if attention == "merged" else make_attention(attention)
+    forward.ttt_forward(model, batch, scorer.draft_probs(batch.loss_final), 3, attend)
+    assert len(seen) == 3 and len(set(seen)) == 1, seen
+
+
 @pytest.mark.slow
 def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     """What the GPU runs: the fused weights, layer halves, LSE merge and loss compiled by Inductor (here its

@@ -359,8 +359,13 @@ class Eagle3Draft(nn.Module):
     ) -> torch.Tensor:
         """attn_out [B, nh, T, hd] -> the layer's pre-norm output [B, T, H]."""
         B, _, T, _ = attn_out.shape
+        return self.finish_rows(attn_out.transpose(1, 2).reshape(B, T, -1), residual, fused)
+
+    def finish_rows(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, fused: FusedWeights | None = None
+    ) -> torch.Tensor:
+        """attn_out [..., T, nh * hd] (the heads side by side) -> the layer's pre-norm output [..., T, H]."""
         layer = self.midlayer
-        attn_out = attn_out.transpose(1, 2).reshape(B, T, -1)
         if fused is None:
             h = residual + layer.self_attn.o_proj(attn_out)
             return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -39,8 +39,8 @@ def _layer_in(model, fused, embed_qkv, hidden, position):
     return model.qkv(None, hidden, position, fused, embed_qkv)
 
 
-def _layer_out(model, fused, attn_out, residual):
-    return model.finish(attn_out, residual, fused)
+def _layer_out(model, fused, attn_rows, residual):
+    return model.finish_rows(attn_rows, residual, fused)
 
 
 def _feedback(model, out):
@@ -110,10 +110,17 @@ def ttt_forward(
             position = (batch.position[at] + s).unsqueeze(0)
             step_embed_qkv = embed_qkv.index_select(0, at + 1 + s).unsqueeze(0)
         q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
-        attn_out = attention(q, [*keys, k], [*values, v], batch.doc, s, scale, at)
+        attn_out = attention(q, [*keys, k], [*values, v], batch.doc, s, scale, at)  # [1, nh, R, hd]
+        attn_rows = attn_out[0].transpose(0, 1)  # [R, nh, hd]
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
-            attn_out, residual = attn_out.index_select(2, rows), residual.index_select(1, rows)
-        return layer_out(model, step_fused[s], attn_out, residual), k, v
+            attn_rows, residual = attn_rows.index_select(0, rows), residual.index_select(1, rows)
+        # [1, R, nh * hd] in one memory layout at every step: the attention kernel's output (step 0) and the
+        # diagonal merge's (later steps) are laid out differently, and dynamo guards strides: two layouts
+        # had compiled layer_out twice per batch length, past dynamo's recompile limit in a real run (the
+        # batch lengths after it ran eagerly). A view for the merge's layout; the copy the layer makes anyway
+        # for the other.
+        attn_rows = attn_rows.reshape(1, len(attn_rows), -1)
+        return layer_out(model, step_fused[s], attn_rows, residual), k, v
 
     keys, values, at_target = [], [], []
     for s in range(steps):
