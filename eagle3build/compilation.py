@@ -12,6 +12,12 @@ from collections.abc import Callable
 import torch
 
 COMPILED: dict[Callable, Callable] = {}  # cached_compiled's versions, by the function they compile
+# Compiled training pads packed batches to one of this many lengths (train.data), each a multiple of 1024
+# tokens at least: every compiled kernel of the step compiles once per length.
+COMPILE_LENGTH_BUCKETS = 8
+# Each kernel meets every length with gradients and again under no_grad (validation); twice that as margin,
+# because past dynamo's limit a function runs eagerly for the rest of the run (one warning, a slow run).
+RECOMPILE_LIMIT = 4 * COMPILE_LENGTH_BUCKETS
 
 
 def compiled(fn: Callable, **kwargs) -> Callable:
@@ -28,9 +34,8 @@ def compiled(fn: Callable, **kwargs) -> Callable:
     import torch._inductor.config as inductor_config
 
     # A kernel compiled for static shapes meets each of training's length buckets (the step rows are
-    # rounded to them too) with gradients and again under no_grad in validation: dynamo's default
-    # limit (8 compilations per function) would run the rest eagerly.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 16)
+    # rounded to them too): dynamo's default limit (8 compilations per function) would run the rest eagerly.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     inductor_config.coordinate_descent_tuning = os.environ.get("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0") == "1"
     return torch.compile(fn, **kwargs)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3build.compilation import COMPILE_LENGTH_BUCKETS
 from eagle3build.draft.target import TargetHead, load_target_head
 from eagle3build.draft.vocab import read_mapping
 from eagle3build.errors import UserError
@@ -29,8 +30,6 @@ from eagle3build.ttt.batch import (
 from eagle3build.ttt.scorer import TargetScorer
 
 MIN_SAMPLE_TOKENS = 3  # x[t+1] input and x[t+2] prediction need at least 3 tokens
-COMPILE_LENGTH_BUCKETS = 8  # compiled runs pad packed batches to one of this many lengths (each kernel
-# compiles once per length, for training and validation), each a multiple of 1024 tokens at least
 LOSS_ROWS_MULTIPLE = 128  # compiled runs: loss rows padded to this (the loss is compiled for any count)
 
 
