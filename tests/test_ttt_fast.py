@@ -339,3 +339,10 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     # merge and its backward
     kernels = list(compilation.COMPILED.values())
     assert len(kernels) == 9 and all(hasattr(k, "_torchdynamo_orig_callable") for k in kernels)
+    # the layer's second half: one compilation per step-row count, whichever attention (and its compiled
+    # merge, whose output strides Inductor chooses) produced its input, at whichever step
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from eagle3build.ttt import forward
+
+    assert len(_debug_get_cache_entry_list(forward._layer_out.__code__)) == 3
