@@ -15,9 +15,9 @@ COMPILED: dict[Callable, Callable] = {}  # cached_compiled's versions, by the fu
 # Compiled training pads packed batches to one of this many lengths (train.data), each a multiple of 1024
 # tokens at least: every compiled kernel of the step compiles once per length.
 COMPILE_LENGTH_BUCKETS = 8
-# Per length a kernel may compile twice (the diagonal merge: one diagonal key, a size dynamo specializes, and
-# then any number), with gradients and again under no_grad (validation): 4 per length; twice that as margin,
-# because past dynamo's limit a function runs eagerly for the rest of the run (one warning, a slow run).
+# Per length a kernel compiles once, or twice (the diagonal merge: one diagonal key, a size dynamo specializes,
+# then any number; validation runs with gradients enabled, so it compiles nothing of its own). The limit leaves
+# a wide margin, because past it a function runs eagerly for the rest of the run (one warning, a slow run).
 RECOMPILE_LIMIT = 8 * COMPILE_LENGTH_BUCKETS
 
 

@@ -414,6 +414,39 @@ def test_compiled_runs_pad_batches_on_the_host_and_train_the_same(inputs, tmp_pa
         assert loss_c == pytest.approx(loss_e, rel=1e-4)
 
 
+def test_validation_runs_the_training_steps_kernels_and_takes_no_gradient(inputs, tmp_path, monkeypatch):
+    """Validation calls the TTT forward with gradients enabled: compiled kernels are guarded on the grad mode,
+    so under no_grad each would compile again for every batch length. Its numbers are a no_grad pass's, and
+    no parameter gets a gradient from it."""
+    from eagle3build.train import loop
+
+    calls = []
+    forward = loop.ttt_forward
+
+    def spy(model, *args, **kwargs):
+        with torch.no_grad():
+            reference = forward(model, *args, **kwargs)
+        stats = forward(model, *args, **kwargs)
+        calls.append(torch.is_grad_enabled())
+        assert torch.equal(stats.loss_sum.detach(), reference.loss_sum)
+        assert torch.equal(stats.correct, reference.correct) and torch.equal(stats.count, reference.count)
+        return stats
+
+    evaluate = loop.evaluate
+
+    def evaluate_spy(ttt, *args, **kwargs):
+        for p in ttt.parameters():
+            p.grad = None  # the optimizer step before zeroes them to None as well
+        result = evaluate(ttt, *args, **kwargs)
+        assert all(p.grad is None for p in ttt.parameters())
+        return result
+
+    monkeypatch.setattr(loop, "ttt_forward", spy)
+    monkeypatch.setattr(loop, "evaluate", evaluate_spy)
+    run(inputs, tmp_path, epochs=1)
+    assert calls and all(calls)
+
+
 def _clip_problem(scale: float, fused: bool):
     """Three parameters with fixed gradients (global norm ≈ 4.3 * scale) and an AdamW over them."""
     g = torch.Generator().manual_seed(0)

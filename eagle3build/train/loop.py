@@ -193,12 +193,15 @@ def evaluate(
     if fsdp:
         ttt.unshard()  # ttt_forward below bypasses the FSDP2 hooks: gather the weights for it
     sums = torch.zeros(3, len(weights), device=weights.device)
-    with torch.no_grad(), autocast:
+    # Gradients stay enabled (none is taken): the training step's compiled kernels serve validation as they
+    # are, where under no_grad each would compile again for every batch length (dynamo guards the grad mode).
+    with autocast:
         for sample_ids in val_batches[d.rank :: d.world_size]:
             batch = loader.to_device(sample_ids)
             probs = scorer.draft_probs(batch.loss_final)
             stats = ttt_forward(ttt.draft, batch, probs, ttt.steps, ttt.attention, ttt.compile, ttt.objective)
-            sums += torch.stack([stats.loss_sum.float(), stats.correct, stats.count])
+            sums += torch.stack([stats.loss_sum.detach().float(), stats.correct, stats.count])
+            del stats  # its autograd graph holds the batch's activations: one batch's at a time, as in training
     if fsdp:
         ttt.reshard()
     ttt.draft.train()
