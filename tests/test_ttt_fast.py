@@ -312,6 +312,7 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")  # tuning GPU kernels only
     monkeypatch.setattr(compilation, "COMPILED", {})  # compiled here, whatever ran before
+    torch._dynamo.reset()  # and counted here: dynamo keeps the compilations of earlier tests per function
     model, _, scorer = tiny_draft()
 
     def batch(prompt: int):
