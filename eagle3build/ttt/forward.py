@@ -114,11 +114,10 @@ def ttt_forward(
         attn_rows = attn_out[0].transpose(0, 1)  # [R, nh, hd]
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
             attn_rows, residual = attn_rows.index_select(0, rows), residual.index_select(1, rows)
-        # [1, R, nh * hd] in one memory layout at every step: the attention kernel's output (step 0) and the
-        # diagonal merge's (later steps) are laid out differently, and dynamo guards strides: two layouts
-        # had compiled layer_out twice per batch length, past dynamo's recompile limit in a real run (the
-        # batch lengths after it ran eagerly). A view for the merge's layout; the copy the layer makes anyway
-        # for the other.
+        # [1, R, nh * hd], laid out alike at every step: the attention kernel's output (step 0) and the
+        # diagonal merge's (later steps, strides of Inductor's choosing) differ, and dynamo guards strides,
+        # so each layout would compile layer_out again for every batch length. A view where the rows are
+        # already [R, nh, hd]-contiguous; else the copy o_proj's input needs anyway.
         attn_rows = attn_rows.reshape(1, len(attn_rows), -1)
         return layer_out(model, step_fused[s], attn_rows, residual), k, v
 
