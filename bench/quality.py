@@ -41,7 +41,8 @@ What the workflow cannot do and this script does: the links, the regeneration se
 (bench/results/quality_smollm2.json: per variant and eval set, tau@k for every k, per category, and the T > 0
 rows where the variant measures them) with its tables. The fp32 cross-check of the stage-function driver this
 replaces is the evaluate stage's own now: `evaluate.sequential_samples` questions per set decode step by step
-(`mismatches`, `simulation_agrees` in each report). The earlier driver's results stay in
+in the target's dtype (`mismatches`, `simulation_agrees` in each report), and the turns that part from the
+reference there are decoded again in float32 (`float32_recheck`). The earlier driver's results stay in
 bench/results/quality_smollm2_{eagle3,final_only,original}.json.
 """
 
@@ -313,7 +314,8 @@ def set_summary(result: dict) -> dict:
                                      for k, row in per_k.items() if c in row["per_category"]} for c in cats}}
 
     out = {"turns": result.get("turns"), **rows(result)}
-    checked = {k: {key: row[key] for key in ("mismatches", "simulation_agrees", "speedup") if key in row}
+    kept = ("mismatches", "simulation_agrees", "speedup", "float32_recheck")
+    checked = {k: {key: row[key] for key in kept if key in row}
                for k, row in result["k"].items() if "mismatches" in row}
     if checked:
         out["sequential"] = checked

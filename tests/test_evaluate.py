@@ -392,7 +392,7 @@ def test_evaluate_end_to_end_from_an_exported_checkpoint(tmp_path, stories, toke
 
 
 def test_batched_reference_decodes_give_the_same_acceptance_as_batch_one(stories, tokenizer):
-    """evaluate.sequential_samples: the questions past the first N are decoded in left-padded batches
+    """evaluate.sequential_samples: the questions not run at batch 1 are decoded in left-padded batches
     (reference.py) — in fp32 the same decodes and so the same acceptance as one question at a time, with
     later turns asked after each question's own answer, and too-long turns skipped the same way."""
     from eagle3build.evaluate.hf import batched_references
@@ -406,7 +406,7 @@ def test_batched_reference_decodes_give_the_same_acceptance_as_batch_one(stories
     ]
     draft = random_draft(seed=1, draft_vocab_size=512)
     one_by_one = evaluate_set(stories, draft, tokenizer, questions, [1, 3], 24, [])
-    references = batched_references(stories, tokenizer, questions, [1, 3], 24, sequential=1, batch_size=2)
+    references = batched_references(stories, tokenizer, questions, [1, 3], 24, sequential=[0], batch_size=2)
     assert sorted(references) == [(1, 0), (1, 1), (1, 2), (2, 0)]  # question 0 runs at batch 1; 3 is too long
     batched = evaluate_set(stories, draft, tokenizer, questions, [1, 3], 24, [3], references)
     assert batched["turns"] == one_by_one["turns"] == 6
@@ -416,3 +416,83 @@ def test_batched_reference_decodes_give_the_same_acceptance_as_batch_one(stories
             assert batched["k"][k][key] == one_by_one["k"][k][key]
     assert batched["k"]["3"]["mismatches"] == 0 and batched["k"]["3"]["simulation_agrees"] == 2  # question 0 only
     assert batched["baseline"]["tokens"] < one_by_one["baseline"]["tokens"]  # only batch-1 turns are timed
+
+
+def test_sequential_questions_are_spread_over_the_set():
+    """A set ordered by category (MT-Bench: 10 writing questions first) gives every category a share of the
+    step-by-step decodes, not just the first category."""
+    from eagle3build.evaluate.hf import sequential_indices
+
+    assert sequential_indices(80, 10) == [0, 8, 16, 24, 32, 40, 48, 56, 64, 72]
+    assert sequential_indices(5, 2) == [0, 2]
+    assert sequential_indices(3, 5) == sequential_indices(3, None) == [0, 1, 2]
+    assert sequential_indices(4, 0) == []
+    categories = [f"c{i // 10}" for i in range(80)]
+    assert {categories[i] for i in sequential_indices(80, 8)} == set(categories)
+
+
+def test_float32_restores_every_weight_exactly(stories):
+    """The recheck's float32 block leaves target and draft as they were: same dtypes, same bits, ties kept."""
+    import copy
+
+    from eagle3build.evaluate.hf import float32
+
+    target = copy.deepcopy(stories).to(torch.bfloat16)
+    draft = random_draft().to(torch.bfloat16)
+    before = {name: t.clone() for m in (target, draft) for name, t in m.state_dict().items()}
+    tied = target.get_output_embeddings().weight is target.get_input_embeddings().weight
+    with float32(target, draft):
+        assert {p.dtype for m in (target, draft) for p in m.parameters()} == {torch.float32}
+    after = {name: t for m in (target, draft) for name, t in m.state_dict().items()}
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert (target.get_output_embeddings().weight is target.get_input_embeddings().weight) == tied
+
+
+def _corrupt_below_float32(monkeypatch, always: bool = False):
+    """speculative_generate whose output parts from the reference at its last token whenever the weights are
+    not float32 (as bf16 rounding does at a near-tie), or always (a fault of the loop)."""
+    import eagle3build.evaluate.hf as hf
+
+    real = hf.speculative_generate
+
+    def parting(target, *args, **kwargs):
+        tokens, accepts = real(target, *args, **kwargs)
+        if always or next(target.parameters()).dtype != torch.float32:
+            tokens = tokens[:-1] + [(tokens[-1] + 1) % 512]
+        return tokens, accepts
+
+    monkeypatch.setattr(hf, "speculative_generate", parting)
+
+
+def test_bf16_mismatches_are_decoded_again_in_float32(stories, tokenizer, monkeypatch):
+    """A turn whose bf16 loop parts from the reference is decoded again in float32, where a lossless loop
+    matches: the report says both, and the weights are bf16 again afterwards."""
+    import copy
+
+    target = copy.deepcopy(stories).to(torch.bfloat16)
+    draft = random_draft(seed=1, draft_vocab_size=512).to(torch.bfloat16)
+    questions = [{"id": i, "category": "story", "turns": [text]} for i, text in enumerate(STORY_PROMPTS[:2])]
+    _corrupt_below_float32(monkeypatch)
+    row = evaluate_set(target, draft, tokenizer, questions, [1, 3], 16, [3])["k"]["3"]
+    assert row["mismatches"] == 2
+    assert row["float32_recheck"] == {"turns": 2, "mismatches": 0, "simulation_agrees": 2}
+    assert {p.dtype for m in (target, draft) for p in m.parameters()} == {torch.bfloat16}
+
+
+def test_a_mismatch_that_stays_in_float32_is_reported(stories, tokenizer, monkeypatch):
+    import copy
+
+    target = copy.deepcopy(stories).to(torch.bfloat16)
+    draft = random_draft(seed=1, draft_vocab_size=512).to(torch.bfloat16)
+    questions = [{"id": 0, "category": "story", "turns": [STORY_PROMPTS[0]]}]
+    _corrupt_below_float32(monkeypatch, always=True)
+    row = evaluate_set(target, draft, tokenizer, questions, [3], 16, [3])["k"]["3"]
+    assert row["mismatches"] == 1 and row["float32_recheck"]["mismatches"] == 1
+
+
+def test_float32_targets_are_not_rechecked(stories, tokenizer, monkeypatch):
+    _corrupt_below_float32(monkeypatch, always=True)
+    questions = [{"id": 0, "category": "story", "turns": [STORY_PROMPTS[0]]}]
+    row = evaluate_set(stories, random_draft(), tokenizer, questions, [3], 16, [3])["k"]["3"]
+    assert row["mismatches"] == 1 and "float32_recheck" not in row

@@ -375,8 +375,8 @@ def test_the_rule_passes_the_sampling_keys_when_a_temperature_is_above_zero(tmp_
 
 
 def test_sampled_rows_use_the_sequential_questions_only(tmp_path, monkeypatch):
-    """evaluate.sequential_samples bounds the step-by-step decodes: at T > 0 only the first N questions of a
-    set are sampled (the greedy rows still cover every question, their decodes batched)."""
+    """evaluate.sequential_samples bounds the step-by-step decodes: at T > 0 only N questions of a set,
+    spread over it, are sampled (the greedy rows still cover every question, their decodes batched)."""
     from types import SimpleNamespace
 
     import eagle3build.evaluate.hf as hf
@@ -389,11 +389,11 @@ def test_sampled_rows_use_the_sequential_questions_only(tmp_path, monkeypatch):
     monkeypatch.setattr(hf, "greedy_generate", lambda *a, **k: [])
     monkeypatch.setattr(hf, "speculative_generate", lambda *a, **k: ([], []))
     monkeypatch.setattr(hf, "batched_references", lambda target, tok, questions, *a: {"n": len(questions)})
-    monkeypatch.setattr(hf, "evaluate_set", lambda *a: greedy.append(len(a[3])) or {"k": {}})
-    monkeypatch.setattr(hf, "evaluate_sampled_set", lambda *a: sampled.append(len(a[3])) or {})
+    monkeypatch.setattr(hf, "evaluate_set", lambda *a: greedy.append(len(a[3])) or {"k": {}, "turns": len(a[3])})
+    monkeypatch.setattr(hf, "evaluate_sampled_set", lambda *a: sampled.append([q["id"] for q in a[3]]) or {})
     monkeypatch.setattr(hf, "plot", lambda *a: None)
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(f'{{"question_id": {i}, "category": "c", "turns": ["hi {i}"]}}\n' for i in range(5)))
     hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": str(questions)}], str(tmp_path / "e.json"),
                 str(tmp_path / "e.png"), {"temperatures": [0.0, 1.0], "sequential_samples": 2, "k": [1]})
-    assert greedy == [5] and sampled == [2]
+    assert greedy == [5] and sampled == [[0, 2]]

@@ -31,7 +31,9 @@ in a last round cut by max_new_tokens or an end-of-sequence token (vLLM counts t
 from __future__ import annotations
 
 import inspect
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,6 +247,37 @@ def _timed(device: torch.device, fn, *args):
     return result, time.perf_counter() - start
 
 
+def log(msg: str) -> None:
+    """A line of the job's log (the progress bars are off when stderr is not a terminal)."""
+    print(f"[evaluate] {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def float32(*modules):
+    """The modules' bf16/fp16 parameters and buffers in float32 inside the block, each back in its own dtype
+    after it (bf16 -> fp32 -> bf16 is exact, so nothing is lost). Shared tensors are converted once."""
+    saved = []
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.dtype in (torch.bfloat16, torch.float16):
+                saved.append((tensor, tensor.dtype))
+                tensor.data = tensor.data.float()
+    try:
+        yield
+    finally:
+        for tensor, dtype in saved:
+            tensor.data = tensor.data.to(dtype)
+
+
+def sequential_indices(count: int, n: int | None) -> list[int]:
+    """Which of a set's `count` questions run at batch 1 (evaluate.sequential_samples = n): n of them spread
+    evenly over the file, so that a set ordered by category (MT-Bench, Spec-Bench) gives each category its
+    share of the timing, the lossless check and the sampled rows. None: every question."""
+    if n is None or n >= count:
+        return list(range(count))
+    return [i * count // n for i in range(n)]
+
+
 def _simulated_accepts(target, draft, prompt: list[int], extended: list[int], stop_len: int,
                        ks: list[int]) -> dict[int, list[int]]:
     """Every k's accepted-per-round from one target forward + one unrolled draft pass (acceptance.py)."""
@@ -271,19 +304,22 @@ def ask(tokenizer, messages: list[dict], user_turn: str, room: int, max_position
 
 
 def batched_references(target, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
-                       sequential: int, batch_size: int) -> dict[tuple[int, int], list[int]]:
-    """The greedy decodes of questions[sequential:] (reference.py), keyed by (index in `questions`, turn)."""
+                       sequential: list[int], batch_size: int) -> dict[tuple[int, int], list[int]]:
+    """The greedy decodes of the questions whose indices are not in `sequential` (reference.py), keyed by
+    (index in `questions`, turn)."""
+    skip = set(sequential)
+    others = [qi for qi in range(len(questions)) if qi not in skip]
     eos = set(eos_token_ids(target, tokenizer))
     max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     decodes = reference_decodes(
-        target, questions[sequential:],
+        target, [questions[qi] for qi in others],
         chat_prompt=lambda messages: chat_prompt(tokenizer, messages),
         answer_text=lambda extended: answer_text(tokenizer, _finish(extended, max_new_tokens, eos), eos),
         fits=lambda prompt: len(prompt) + max_new_tokens + 2 * max(ks) + 2 <= max_positions,
         max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size,
     )
-    return {(sequential + qi, turn): decode for (qi, turn), decode in decodes.items()}
+    return {(others[qi], turn): decode for (qi, turn), decode in decodes.items()}
 
 
 def answer_text(tokenizer, reference: list[int], eos: set[int]) -> str:
@@ -307,6 +343,11 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
     `sequential_ks` (default: all) to time it, to check it is lossless and that it accepts exactly
     what the pass predicted (`simulation_agrees`). `references`: {(question index, turn index): greedy
     decode} made beforehand in batches (reference.py); those turns are neither timed nor decoded sequentially.
+
+    In bf16 or fp16 the loop's verify forward (k+1 tokens) and the reference's one-token steps round
+    differently, and at a near-tie of the target's logits the two decodes part (on a 135M target most
+    256-token turns have one). So every turn that mismatches is decoded again, reference and loop, with
+    the weights in float32 (`float32_recheck`): a mismatch that remains there is the loop's, not rounding's.
     """
     device = next(target.parameters()).device
     eos = set(eos_token_ids(target, tokenizer))
@@ -319,6 +360,7 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
     mismatches = dict.fromkeys(sequential_ks, 0)
     agrees = dict.fromkeys(sequential_ks, 0)
     base_tokens, base_generated, base_seconds, turns_done, turns_skipped = 0, 0, 0.0, 0, 0
+    mismatched: dict[int, list[list[int]]] = {k: [] for k in sequential_ks}  # k -> prompts of mismatching turns
 
     for qi, question in enumerate(tqdm(questions, desc="evaluate", unit="question", disable=None)):
         category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
@@ -348,10 +390,13 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
                     spec_seconds[k] += seconds
                     mismatches[k] += tokens != reference
                     agrees[k] += accepts == simulated[k]
+                    if tokens != reference:
+                        mismatched[k].append(prompt)
                 tally(accepts, overall[k], category[k])
             turns_done += 1
             messages.append({"role": "assistant", "content": answer_text(tokenizer, reference, eos)})
 
+    recheck = recheck_in_float32(target, draft, mismatched, ks, max_new_tokens, eos)
     baseline_tps = base_generated / base_seconds if base_seconds else 0.0
     per_k = {}
     for k in ks:
@@ -361,6 +406,8 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
             row.update(tokens=spec_tokens[k], seconds=spec_seconds[k], tokens_per_s=tps,
                        speedup=tps / baseline_tps if baseline_tps else 0.0, mismatches=mismatches[k],
                        simulation_agrees=agrees[k])
+            if k in recheck:
+                row["float32_recheck"] = recheck[k]
         row["per_category"] = {name: stats[k].summary() for name, stats in sorted(by_category.items())}
         per_k[str(k)] = row
     return {
@@ -371,6 +418,34 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
         "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
         "k": per_k,
     }
+
+
+def recheck_in_float32(target, draft, mismatched: dict[int, list[list[int]]], ks: list[int], max_new_tokens: int,
+                       eos: set[int]) -> dict[int, dict]:
+    """Decode each mismatching turn again with target and draft in float32: the reference, the teacher-forced
+    pass and the loop at that turn's k. {k: {turns, mismatches, simulation_agrees}} for every k that had a
+    mismatch; {} when there was none or the weights are float32 already (then a mismatch is the loop's)."""
+    if not any(mismatched.values()) or next(target.parameters()).dtype == torch.float32:
+        return {}
+    start, out = time.perf_counter(), {}
+    with float32(target, draft):
+        for k, prompts in mismatched.items():
+            if not prompts:
+                continue
+            row = out[k] = {"turns": len(prompts), "mismatches": 0, "simulation_agrees": 0}
+            for prompt in prompts:
+                extended = greedy_generate(target, prompt, max_new_tokens + max(ks) + 1, eos)
+                reference = _finish(extended, max_new_tokens, eos)
+                simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference), [k])
+                tokens, accepts = speculative_generate(target, draft, prompt, k, max_new_tokens, eos)
+                row["mismatches"] += tokens != reference
+                row["simulation_agrees"] += accepts == simulated[k]
+    for k, row in out.items():
+        log(f"k={k}: {row['turns']} turn(s) that parted from the reference, again in float32: "
+            f"{row['mismatches']} mismatch(es)" + ("" if row["mismatches"] == 0 else
+                                                   " -- the speculative loop is not lossless; please report it"))
+    log(f"float32 recheck: {time.perf_counter() - start:.0f} s")
+    return out
 
 
 def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
@@ -493,6 +568,9 @@ def evaluate(
     if temperatures and not sampled_ks:  # T > 0 decodes the sequential k step by step
         raise ConfigError("evaluate.sequential_k", f"{params['sequential_k']} has no k of evaluate.k {ks}: "
                                                    "temperatures > 0 decode those k step by step")
+    if temperatures and params["sequential_samples"] == 0:
+        raise ConfigError("evaluate.sequential_samples", f"0 leaves no question to sample at temperatures "
+                                                         f"{temperatures}; set at least 1, or null for all")
     sampling = {"top_p": float(params["top_p"]), "seed": int(params["seed"]),
                 "draft_sample_method": params["draft_sample_method"]}
     device = resolve_device(params["device"])
@@ -523,21 +601,28 @@ def evaluate(
     if temperatures:
         results.update(temperatures=[0.0, *temperatures], **sampling)
     for name, questions in sets.items():
-        references = None
-        if params["sequential_samples"] is not None:  # the other questions' greedy decodes, in batches
+        sequential = sequential_indices(len(questions), params["sequential_samples"])
+        references, start = None, time.perf_counter()
+        if len(sequential) < len(questions):  # the other questions' greedy decodes, in batches
             references = batched_references(model, tokenizer, questions, ks, int(params["max_new_tokens"]),
-                                            params["sequential_samples"], params["reference_batch_size"])
+                                            sequential, params["reference_batch_size"])
+            log(f"{name}: greedy decodes of {len(questions) - len(sequential)} question(s) in batches: "
+                f"{time.perf_counter() - start:.0f} s")
+        start = time.perf_counter()
         results["sets"][name] = evaluate_set(
             model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]), params["sequential_k"],
             references,
         )
-        if temperatures:  # decoded step by step: on the sequential questions only, where they are limited
-            sequential = questions[: params["sequential_samples"]] if params["sequential_samples"] else questions
-            results["sets"][name]["at_temperature"] = {
-                temperature_key(t): evaluate_sampled_set(model, draft, tokenizer, sequential, sampled_ks,
-                                                         int(params["max_new_tokens"]), t, sampling)
-                for t in temperatures
-            }
+        log(f"{name}: acceptance of {results['sets'][name]['turns']} turn(s), {len(sequential)} question(s) "
+            f"decoded step by step: {time.perf_counter() - start:.0f} s")
+        if temperatures:  # decoded step by step: on the sequential questions only
+            sampled = [questions[qi] for qi in sequential]
+            results["sets"][name]["at_temperature"] = {}
+            for t in temperatures:
+                start = time.perf_counter()
+                results["sets"][name]["at_temperature"][temperature_key(t)] = evaluate_sampled_set(
+                    model, draft, tokenizer, sampled, sampled_ks, int(params["max_new_tokens"]), t, sampling)
+                log(f"{name}: T={t}, {len(sampled)} question(s): {time.perf_counter() - start:.0f} s")
     write_json_atomic(out_json, results)
     plot(results, out_png)
     return results
