@@ -496,3 +496,27 @@ def test_float32_targets_are_not_rechecked(stories, tokenizer, monkeypatch):
     questions = [{"id": 0, "category": "story", "turns": [STORY_PROMPTS[0]]}]
     row = evaluate_set(stories, random_draft(), tokenizer, questions, [3], 16, [3])["k"]["3"]
     assert row["mismatches"] == 1 and "float32_recheck" not in row
+
+
+def test_a_target_too_big_for_float32_is_reported_not_rechecked(stories, tokenizer, monkeypatch):
+    """Out of memory in float32: the report says the recheck was skipped, and the weights are bf16 again."""
+    import copy
+
+    import eagle3build.evaluate.hf as hf
+
+    target = copy.deepcopy(stories).to(torch.bfloat16)
+    draft = random_draft(seed=1, draft_vocab_size=512).to(torch.bfloat16)
+    _corrupt_below_float32(monkeypatch)
+    real = hf.greedy_generate
+
+    def no_room_in_float32(model, *args, **kwargs):
+        if next(model.parameters()).dtype == torch.float32:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "greedy_generate", no_room_in_float32)
+    questions = [{"id": 0, "category": "story", "turns": [STORY_PROMPTS[0]]}]
+    row = evaluate_set(target, draft, tokenizer, questions, [3], 16, [3])["k"]["3"]
+    assert row["mismatches"] == 1
+    assert row["float32_recheck"] == {"turns": 1, "skipped": "out of memory in float32"}
+    assert {p.dtype for m in (target, draft) for p in m.parameters()} == {torch.bfloat16}
