@@ -156,6 +156,28 @@ def test_the_test_fails_when_every_proposal_is_accepted(target, monkeypatch):
     assert min(p_value for _, p_value in tests[1:]) < 1e-8, tests
 
 
+def test_first_proposals_are_accepted_at_the_rate_their_distributions_give(target, monkeypatch):
+    """The share of rounds whose first proposal is accepted equals the mean over those rounds of
+    sum_x min(p(x), q(x)) (= 1 - TV(p, q)), computed from the very p and q each round verifies with: the
+    reported tau at T > 0 is what the draft's distributions are worth, not an artefact of the coin. (On the
+    SmolLM2 head trained on the GPU: 0.431 measured against 0.434 expected over 1,567 rounds.)"""
+    expected, accepted = [], []
+    verify = Sampled.verify
+
+    def recording(self, proposals, drafted, logits):
+        expected.append(float(torch.minimum(self.probs(logits)[0], drafted[0]).sum()))
+        result = verify(self, proposals, drafted, logits)
+        accepted.append(result[0] >= 1)
+        return result
+
+    monkeypatch.setattr(Sampled, "verify", recording)
+    sampled_outputs(target, tiny_draft(), 400, 12, 2, 1.0, 1.0, "probabilistic")
+    rounds, mean = len(expected), sum(expected) / len(expected)
+    assert 0.2 < mean < 0.8 and rounds > 1000  # the coin decides often
+    stderr = (mean * (1 - mean) / rounds) ** 0.5
+    assert abs(sum(accepted) / rounds - mean) < 4 * stderr, (sum(accepted) / rounds, mean, rounds)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the rule's pieces
 
