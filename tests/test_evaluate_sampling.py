@@ -419,3 +419,12 @@ def test_sampled_rows_use_the_sequential_questions_only(tmp_path, monkeypatch):
     hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": str(questions)}], str(tmp_path / "e.json"),
                 str(tmp_path / "e.png"), {"temperatures": [0.0, 1.0], "sequential_samples": 2, "k": [1]})
     assert greedy == [5] and sampled == [[0, 2]]
+
+
+def test_sampling_with_no_sequential_question_is_refused_before_any_model_loads(tmp_path):
+    """sequential_samples 0 leaves nothing to sample at T > 0: a ConfigError naming the key, not empty rows."""
+    import eagle3build.evaluate.hf as hf
+
+    with pytest.raises(ConfigError, match="evaluate.sequential_samples"):
+        hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": "unused.jsonl"}], str(tmp_path / "e.json"),
+                    str(tmp_path / "e.png"), {"temperatures": [0.0, 1.0], "sequential_samples": 0})
