@@ -427,25 +427,28 @@ def recheck_in_float32(target, draft, mismatched: dict[int, list[list[int]]], ks
     mismatch; {} when there was none or the weights are float32 already (then a mismatch is the loop's)."""
     if not any(mismatched.values()) or next(target.parameters()).dtype == torch.float32:
         return {}
-    start, out = time.perf_counter(), {}
+    start = time.perf_counter()
+    out = {k: {"turns": len(prompts), "mismatches": 0, "simulation_agrees": 0}
+           for k, prompts in mismatched.items() if prompts}
+    turns: dict[tuple[int, ...], list[int]] = {}  # prompt -> the k at which its turn parted
+    for k, prompts in mismatched.items():
+        for prompt in prompts:
+            turns.setdefault(tuple(prompt), []).append(k)
     try:
         with float32(target, draft):
-            for k, prompts in mismatched.items():
-                if not prompts:
-                    continue
-                row = out[k] = {"turns": len(prompts), "mismatches": 0, "simulation_agrees": 0}
-                for prompt in prompts:
-                    extended = greedy_generate(target, prompt, max_new_tokens + max(ks) + 1, eos)
-                    reference = _finish(extended, max_new_tokens, eos)
-                    simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference),
-                                                   [k])
+            for prompt, parted_at in turns.items():  # one reference and one pass per turn, whatever its k
+                prompt = list(prompt)
+                extended = greedy_generate(target, prompt, max_new_tokens + max(ks) + 1, eos)
+                reference = _finish(extended, max_new_tokens, eos)
+                simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference),
+                                               parted_at)
+                for k in parted_at:
                     tokens, accepts = speculative_generate(target, draft, prompt, k, max_new_tokens, eos)
-                    row["mismatches"] += tokens != reference
-                    row["simulation_agrees"] += accepts == simulated[k]
+                    out[k]["mismatches"] += tokens != reference
+                    out[k]["simulation_agrees"] += accepts == simulated[k]
     except torch.OutOfMemoryError:  # a float32 copy is twice the weights: the report says it was not done
         log("float32 recheck skipped: the target does not fit the device in float32")
-        return {k: {"turns": len(prompts), "skipped": "out of memory in float32"}
-                for k, prompts in mismatched.items() if prompts}
+        return {k: {"turns": row["turns"], "skipped": "out of memory in float32"} for k, row in out.items()}
     for k, row in out.items():
         log(f"k={k}: {row['turns']} turn(s) that parted from the reference, again in float32: "
             f"{row['mismatches']} mismatch(es)" + ("" if row["mismatches"] == 0 else
