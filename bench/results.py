@@ -86,6 +86,9 @@ def record(bench: str, device: str, result: dict, out: str | Path | None = None)
 
 def merge(files: list[str]) -> None:
     """Fold each file's runs into bench/results/<same name>, replacing the runs of the same devices."""
+    missing = [name for name in files if not Path(name).is_file()]
+    if missing:  # a typo (or an option) would otherwise merge nothing and say it did
+        raise SystemExit(f"no such results file: {', '.join(missing)}")
     for name in files:
         for run in read_runs(Path(name)):
             put(RESULTS_DIR / Path(name).name, run)

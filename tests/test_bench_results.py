@@ -58,6 +58,15 @@ def test_merge_folds_a_files_runs_into_the_results_of_the_same_name(tmp_path, mo
     assert {r["device"]: r["x"] for r in runs} == {"NVIDIA H200": 3, "CPU x86_64, 2 cores": 2}
 
 
+def test_merge_refuses_a_missing_file_before_merging_any(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    results.record("b", "NVIDIA H200", {"x": 3}, tmp_path / "elsewhere")
+    with pytest.raises(SystemExit, match="no such results file: --help"):
+        results.merge([str(tmp_path / "elsewhere" / "b.json"), "--help"])
+    assert not (tmp_path / "results").exists()
+
+
 def test_a_run_without_its_keys_is_refused(tmp_path):
     with pytest.raises(ValueError, match="commit"):
         results.put(tmp_path / "b.json", {"device": "NVIDIA H200", "date": "2026-12-05"})
