@@ -16,7 +16,10 @@ Each --set NAME=FILE:MAX_NEW_TOKENS[:first] (`first`: every question cut to its 
         {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}`, every turn a greedy
         /v1/chat/completions request at batch 1, τ from the engine's /metrics counters per category; then a
         server without the draft answers the same prompts: `mismatches` counts the turns whose answers differ)
-and reports τ@K of both, their relative difference (the bar: within 5%), per category.
+and reports τ@K of both, their relative difference (the bar: within 5%), per category. --temperature T adds
+the vLLM side's τ at T over the same turns (`evaluate.temperatures: [0, T]`, exact speculative sampling in the
+engine's rejection sampler, seeded per request) under `vllm.at_temperature`; the HF evaluator's own τ at T needs
+its step-by-step decodes (slow on a GPU at batch 1), so it is left to the workflow's evaluation.
 Each --speed CONCURRENCY:QUESTIONS runs the vLLM backend on the first turns of the first QUESTIONS questions of
 --speed-set with --speed-max-new-tokens, both servers, at that concurrency: tokens/s with and without the draft.
 """
@@ -55,13 +58,14 @@ def question_file(path: str, work: Path, name: str, first_turn: bool, limit: int
     return str(out)
 
 
-def vllm_params(args, k: int, max_new: int, concurrency: int, baseline: bool = True) -> dict:
+def vllm_params(args, k: int, max_new: int, concurrency: int, temperature: float | None = None) -> dict:
     env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     server = {"executable": vc.engine_executable(vc.FAKE_SPEC if args.fake else None), "env": env,
               "extra_args": list(args.vllm_arg), "gpu_memory_utilization": args.gpu_memory_utilization,
               "max_model_len": args.max_model_len, "concurrency": concurrency, "num_speculative_tokens": k,
-              "baseline": baseline, "startup_timeout_s": 60 if args.fake else 900}
-    return {"k": list(range(1, k + 1)), "max_new_tokens": max_new, "sequential_k": [], "vllm": server}
+              "baseline": True, "startup_timeout_s": 60 if args.fake else 900}
+    sampling = {"temperatures": [0.0, temperature]} if temperature else {}
+    return {"k": list(range(1, k + 1)), "max_new_tokens": max_new, "sequential_k": [], "vllm": server, **sampling}
 
 
 def tau_row(report: dict, k: int) -> dict:
@@ -84,7 +88,7 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
                              "device": args.device, "sequential_samples": 0,
                              "reference_batch_size": args.reference_batch_size})
     v_report = vllm.evaluate(args.draft, target, eval_set, str(work / f"vllm_{name}.json"),
-                             str(work / f"vllm_{name}.png"), vllm_params(args, k, int(max_new), 1))
+                             str(work / f"vllm_{name}.png"), vllm_params(args, k, int(max_new), 1, args.temperature))
     h, v = hf_report["sets"][name], v_report["sets"][name]
     out = {"questions": v["questions"], "turns": {"hf": h["turns"], "vllm": v["turns"]}, "max_new_tokens": int(max_new),
            "hf": {**tau_row(h, k), "device": hf_report["device"], "dtype": hf_report["dtype"]},
@@ -93,6 +97,10 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
     out["relative_difference"] = out["vllm"]["tau"] / out["hf"]["tau"] - 1
     print(f"{name}: tau@{k} vllm {out['vllm']['tau']:.4f} hf {out['hf']['tau']:.4f} "
           f"({out['relative_difference']:+.1%})", flush=True)
+    for key, sampled in v.get("at_temperature", {}).items():
+        out["vllm"].setdefault("at_temperature", {})[key] = {
+            **tau_row(sampled, k), "turns": sampled["turns"], "draft_sample_method": sampled["draft_sample_method"]}
+        print(f"{name}: tau@{k} vllm at T={key} {sampled['k'][str(k)]['mean_acceptance_length']:.4f}", flush=True)
     return out
 
 
@@ -152,6 +160,8 @@ def main() -> int:
     p.add_argument("--speed-set", help="question file for the tokens/s runs (first turns)")
     p.add_argument("--speed", action="append", default=[], help="CONCURRENCY:QUESTIONS (repeat)")
     p.add_argument("--speed-max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="also the vLLM side's tau at this temperature > 0 on every --set")
     p.add_argument("--reference-batch-size", type=int, default=128,
                    help="rows per batched greedy decode of the HF evaluator (its references; no timing here)")
     p.add_argument("--hf-dtype", default="auto", help="target dtype of the HF evaluator (auto: bf16 on GPU)")
@@ -172,6 +182,8 @@ def main() -> int:
         args.set, args.speed, args.speed_max_new_tokens = [f"stories={questions}:8", f"first={questions}:8:first"], ["1:2", "2:2"], 8
     if not (args.target and args.draft and (args.set or args.speed)):
         p.error("--target, --draft and a --set or --speed are required (or --smoke)")
+    if args.temperature is not None and args.temperature <= 0:
+        p.error(f"--temperature {args.temperature}: give a temperature > 0 (T = 0 is always measured)")
     target = {"path": str(Path(args.target).resolve()), "chat_template": args.chat_template}
     result = {"command": " ".join(sys.argv), "engine": "fake" if args.fake else "vllm", "k": args.k,
               "sets": {}, "speed": []}
