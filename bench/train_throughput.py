@@ -50,11 +50,12 @@ from eagle3build.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3build.draft.target import TargetHead  # noqa: E402
 from eagle3build.train.data import LOSS_ROWS_MULTIPLE, compile_length_multiple  # noqa: E402
 from eagle3build.train.loop import freeze_lm_head  # noqa: E402
+from eagle3build.train.memory import memory_estimate  # noqa: E402
 from eagle3build.train.optim import clipped_step  # noqa: E402
 from eagle3build.ttt.batch import PackedBatch, with_loss_rows, with_step_rows  # noqa: E402
 from eagle3build.ttt.forward import ttt_forward  # noqa: E402
 from eagle3build.ttt.loss import step_loss_weights, weighted_loss  # noqa: E402
-from eagle3build.ttt.recompute import Recompute  # noqa: E402
+from eagle3build.ttt.recompute import Recompute, checkpointed_steps  # noqa: E402
 from eagle3build.ttt.scorer import TargetScorer  # noqa: E402
 
 PRESETS = {
@@ -166,51 +167,6 @@ def flops_per_token(shape: dict, T: int, ttt: int, frozen_lm_head: bool = False)
         flops_per_token=2 * fc + 3 * ttt * layer + (2 if frozen_lm_head else 3) * ttt * lm + 3 * attn + target,
         parts=dict(fc=fc, layer_per_step=layer, lm_head_per_step=lm, attention_all_steps=attn, target=target),
     )
-
-
-def memory_estimate(
-    shape: dict, T: int, ttt: int, loss_fraction: float = 1.0, checkpointing: bool = False, loss_chunk: int = 0,
-    frozen_lm_head: bool = False,
-) -> dict:
-    """Estimated peak GPU memory of one training step (GiB, by part): the bench's step under bf16
-    autocast, compiled (docs/TRAINING.md, "Memory"). An estimate, to plan runs: the step measures its peak.
-
-    static: fp32 weights and AdamW moments of the P trainable weights (12 P bytes), their bf16 copy for
-      the step (2 P), the frozen embedding (fp32, 4 V H), the scorer's bf16 lm_head (2 V H) and its draft
-      rows (2 K H); of the fp32 gradients (4 P) only lm_head's (4 K H) exists at the peak, the start of
-      backward: the others are allocated as backward frees activations (the step sets them to None). A
-      frozen lm_head (train.freeze_lm_head) has neither AdamW moments nor that gradient.
-    layers: per TTT step, what backward keeps: at each computed row (T at step 0, the M loss rows after)
-      its input, attention output, residual sum and gate/up (2 (2 H + nh hd + 2 I) bytes), at every
-      token q, output, k, v and the log-sum-exp (2 (2 nh hd + 2 nkv hd) + 4 nh); Inductor recomputes the
-      norms, RoPE and SiLU. Checkpointed: each step's output and keys/values (2 (H + 2 nkv hd)), plus one
-      step's activations while backward recomputes it.
-    loss: the [M, k, H] states and their normed copy (4 H per row and step) and the [rows, k, K] logits
-      with their gradient, bf16 (4 K per row and step), over all M rows or one chunk of loss_chunk.
-    data: aux and final states, the embedding half of q/k/v (bf16) and the target distribution (fp32 M K).
-    The peak is at the start of backward (the parts above) or at its end, where the k steps' bf16 gradients
-    of the per-step weight aliases (ttt.weight_aliases: 2 k P_layer) are held until step 0's backward, beside
-    step 0's activations (`backward_end`): with the switches on, at short lengths, the end is the peak.
-    """
-    H, nh, nkv, hd = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
-    inter, K, V = shape["intermediate"], shape["draft_vocab"], shape["vocab"]
-    q, kv = nh * hd, nkv * hd
-    params = 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * inter + K * H
-    static = 14 * params + 4 * V * H + 2 * (V + K) * H + 4 * K * H - (12 * K * H if frozen_lm_head else 0)
-    M = min(T, math.ceil(loss_fraction * T))
-    rows = T + (ttt - 1) * M  # rows computed over all steps
-    row, token = 2 * (2 * H + q + 2 * inter), 2 * (2 * q + 2 * kv) + 4 * nh
-    if checkpointing:
-        layers = rows * 2 * (H + 2 * kv) + T * (row + token)
-    else:
-        layers = rows * row + ttt * T * token
-    loss = M * ttt * 4 * H + min(M, loss_chunk or M) * ttt * 4 * K
-    data = T * (8 * H + 2 * (q + 2 * kv)) + M * 4 * K
-    parts = dict(static=static, layers=layers, loss=loss, data=data)
-    aliased = H * (q + 2 * kv) + q * H + 3 * H * inter  # the weights every step's layer reads
-    end = static + 2 * ttt * aliased + T * (row + token) + data
-    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
-    return {**gib, "backward_end": round(end / 2**30, 2), "total": round(max(sum(parts.values()), end) / 2**30, 2)}
 
 
 def build(
@@ -334,7 +290,7 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
     """variant: 'compiled' (flex + compiled layer halves and loss) or 'flex-only' (only flex compiled)."""
     cuda = device.type == "cuda"
     result = dict(T=T, ttt=args.ttt, variant=variant, ok=False, **memory_switches(args, shape, T))
-    recompute = Recompute(args.activation_checkpointing, args.loss_chunk_tokens)
+    recompute = Recompute(checkpointed_steps(args.activation_checkpointing, args.ttt), args.loss_chunk_tokens)
     recompute = recompute if recompute.steps or recompute.loss_chunk else None
     t_start = time.perf_counter()
     try:
@@ -494,8 +450,9 @@ def main() -> int:
     ap.add_argument("--no-step-rows", dest="step_rows", action="store_false",
                     help="TTT steps 1.. compute every row, not only the rows with a loss there")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--activation-checkpointing", action="store_true",
-                    help="recompute each TTT step's layer in backward (train.activation_checkpointing)")
+    ap.add_argument("--activation-checkpointing", nargs="?", type=int, const=True, default=False, metavar="N",
+                    help="recompute each TTT step's layer in backward, or the first N steps' "
+                         "(train.activation_checkpointing: true or N)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="ROWS",
                     help="the loss over chunks of ROWS loss rows (train.loss_chunk_tokens; 0: all at once)")
     ap.add_argument("--freeze-lm-head", action="store_true",
@@ -557,7 +514,8 @@ def main() -> int:
         save(report, args)
     ok = [r for r in report["results"] if r["ok"]]
     for r in ok:
-        switches = ("" if not r["activation_checkpointing"] else " checkpointed") + (
+        ckpt = r["activation_checkpointing"]
+        switches = ("" if not ckpt else " checkpointed" if ckpt is True else f" {ckpt} steps checkpointed") + (
             " frozen lm_head" if r.get("freeze_lm_head") else "") + (
             f" loss chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "")
         print(

@@ -40,6 +40,8 @@ def check(tmp_path, cfg) -> None:
         ({"prepare": {"shard_sise": 4}}, "prepare"),
         ({"extract": {"storage_dtype": "int4"}}, "extract.storage_dtype"),
         ({"vocab": {"draft_vocab_size": -1}}, "vocab.draft_vocab_size"),
+        ({"train": {"activation_checkpointing": -1}}, "train.activation_checkpointing"),
+        ({"train": {"activation_checkpointing": "all"}}, "train.activation_checkpointing"),
         ({"bogus": 1}, "(top level)"),
         ({"datasets": [{"name": "a{shard}", "path": "x.jsonl"}]}, "datasets[0].name"),  # would be a wildcard
     ],
@@ -50,6 +52,11 @@ def test_wrong_type_or_unknown_key_names_the_key(tmp_path, over, key):
     assert f"config key '{key}'" in str(e.value)
     if "shard_sise" in str(over) or "bogus" in str(over):
         assert "shard_sise" in str(e.value) or "bogus" in str(e.value)  # the unknown key itself is named
+
+
+@pytest.mark.parametrize("value", [True, False, 0, 3])
+def test_activation_checkpointing_takes_true_or_a_number_of_steps(tmp_path, value):
+    check(tmp_path, minimal(tmp_path, train={"activation_checkpointing": value}))
 
 
 @pytest.mark.parametrize("regenerate", [{"temperatur": 0.7}, {"temperature": -1}, "yes"])

@@ -13,6 +13,7 @@ from test_model_ttt import random_samples, tiny_draft, tiny_mapping, tiny_target
 from eagle3build.attention.factory import make_attention
 from eagle3build.attention.merged import MathMergedAttention
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
+from eagle3build.errors import ConfigError
 from eagle3build.ttt.batch import pack, pad_batch, with_greedy_in_draft, with_loss_rows, with_step_rows
 from eagle3build.ttt.forward import ttt_forward
 from eagle3build.ttt.loss import Objective, step_loss_weights, weighted_loss
@@ -21,7 +22,7 @@ from eagle3build.ttt.scorer import TargetScorer
 
 torch.set_num_threads(2)
 STEPS = 3
-CHECKPOINTED, CHUNKED, BOTH = Recompute(True, 0), Recompute(False, 6), Recompute(True, 6)
+CHECKPOINTED, CHUNKED, BOTH = Recompute(STEPS, 0), Recompute(0, 6), Recompute(STEPS, 6)
 
 
 def chat_batch(scorer, seed=6, step_rows=True):
@@ -69,6 +70,9 @@ def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(attention
     normed.config.norm_output = True
     batch = chat_batch(scorer)
     assert_same(step(normed, scorer, batch, attend, CHECKPOINTED), step(normed, scorer, batch, attend), exact=True)
+    for first in range(1, STEPS):  # train.activation_checkpointing: N, the first N steps only
+        assert_same(step(model, scorer, batch, attend, Recompute(first, 0)), step(model, scorer, batch, attend),
+                    exact=True)
 
 
 @pytest.mark.parametrize("loss", ["forward_kl", "lk_hybrid"])
@@ -81,10 +85,10 @@ def test_chunked_loss_gives_the_same_gradients(loss):
     rows = len(batch.loss_rows)
     assert rows % 6 and rows > 6  # 6 leaves a shorter last chunk
     plain = step(model, scorer, batch, MathMergedAttention(), objective=objective)
-    for recompute in (Recompute(False, 1), CHUNKED, BOTH):
+    for recompute in (Recompute(0, 1), CHUNKED, BOTH):
         got = step(model, scorer, batch, MathMergedAttention(), recompute, objective)
         assert_same(got, plain, exact=False)
-    one_chunk = step(model, scorer, batch, MathMergedAttention(), Recompute(False, rows), objective)
+    one_chunk = step(model, scorer, batch, MathMergedAttention(), Recompute(0, rows), objective)
     assert_same(one_chunk, plain, exact=True)  # one chunk: the same operations, recomputed
 
 
@@ -137,12 +141,14 @@ def test_each_switch_lowers_the_peak_memory_of_a_step():
                 torch.randn(n, 4, 64, generator=g))]
     batch = with_loss_rows(with_greedy_in_draft(pack(samples), torch.ones(n, dtype=torch.bool)), STEPS, 1)
     peaks = {name: peak_step_bytes(model, scorer, batch, r)
-             for name, r in (("plain", None), ("chunked", Recompute(False, 64)), ("checkpointed", CHECKPOINTED),
-                             ("both", Recompute(True, 64)))}
+             for name, r in (("plain", None), ("chunked", Recompute(0, 64)), ("checkpointed", CHECKPOINTED),
+                             ("first_step", Recompute(1, 0)), ("both", Recompute(STEPS, 64)))}
     logits = n * STEPS * 1536 * 4  # one fp32 copy of the step's logits
     assert peaks["chunked"] < peaks["plain"] - 2 * logits, peaks
     assert peaks["checkpointed"] < peaks["plain"] - 2 * logits, peaks
     assert peaks["both"] < min(peaks["chunked"], peaks["checkpointed"]), peaks
+    # the first step alone: part of the saving (its layer), the later steps' activations kept
+    assert peaks["checkpointed"] < peaks["first_step"] < peaks["plain"], peaks
 
 
 def test_the_switches_from_the_config_and_the_runs_identity():
@@ -152,8 +158,13 @@ def test_the_switches_from_the_config_and_the_runs_identity():
     from eagle3build.train.loop import hashed_params, resolve_params
 
     assert Recompute.from_params(resolve_params({})) is None
-    assert Recompute.from_params(resolve_params({"activation_checkpointing": True})) == Recompute(True, 0)
-    assert Recompute.from_params(resolve_params({"loss_chunk_tokens": 2048})) == Recompute(False, 2048)
+    every = resolve_params({"activation_checkpointing": True})
+    assert Recompute.from_params(every) == Recompute(every["ttt_steps"], 0)  # true: every TTT step
+    assert Recompute.from_params(resolve_params({"activation_checkpointing": 2})) == Recompute(2, 0)
+    assert Recompute.from_params(resolve_params({"activation_checkpointing": 0})) is None
+    assert Recompute.from_params(resolve_params({"loss_chunk_tokens": 2048})) == Recompute(0, 2048)
+    with pytest.raises(ConfigError, match=r"train.activation_checkpointing.*8 steps of train.ttt_steps 7"):
+        Recompute.from_params(resolve_params({"activation_checkpointing": 8, "ttt_steps": 7}))
     on = {"epochs": 1, "activation_checkpointing": True, "loss_chunk_tokens": 2048}
     assert hashed_params(resolve_params(on), False) == hashed_params(resolve_params({"epochs": 1}), False)
     defaults = section_defaults("train")

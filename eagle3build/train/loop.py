@@ -40,6 +40,7 @@ from eagle3build.train.data import (
     split_samples,
 )
 from eagle3build.train.distributed import Dist, TTTModule, fsdp_full_state, init_distributed, shard_fsdp2
+from eagle3build.train.memory import GIB, memory_note
 from eagle3build.train.metrics import TrainLog, log
 from eagle3build.train.optim import make_optimizer, make_scheduler, optimizer_step
 from eagle3build.train.warm_start import head_identity, warm_start
@@ -223,6 +224,7 @@ def train(
     Returns the summary. Resumes from state_dir when a checkpoint of the same run exists.
     """
     p = resolve_params(params)
+    recompute = Recompute.from_params(p)  # a bad train.activation_checkpointing stops here, before any load
     d = init_distributed()
     own_state_dir(state_dir, d)  # one trainer per state folder: a second one stops here, before it uses it
     cuda = torch.cuda.is_available()
@@ -250,13 +252,16 @@ def train(
     config = DraftConfig.from_target(
         target, len(d2t), data.layer_ids[:3], {k: p[k] for k in DraftConfig.OVERRIDABLE}
     )
+    if cuda:  # before the first step and its compilations: whether the step fits, and what would
+        device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+        log(memory_note(config, p, device_gib, ddp=d.world_size > 1 and not fsdp), d)
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
     warm = starting_weights(draft, p, d)  # train.init_from, train.freeze_lm_head
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)
     del target
     objective = Objective.from_params(p)
     attention = make_attention(attention_impl, compiled)
-    ttt = TTTModule(draft, p["ttt_steps"], attention, compiled, objective, Recompute.from_params(p))
+    ttt = TTTModule(draft, p["ttt_steps"], attention, compiled, objective, recompute)
     if fsdp:
         ttt = shard_fsdp2(ttt, device)
     optimizer, trainable = make_optimizer(draft, p["lr"], p["weight_decay"], fused=cuda)

@@ -123,7 +123,7 @@ def ttt_forward(
 
     keys, values, at_target = [], [], []
     for s in range(steps):
-        if recompute is not None and recompute.steps:  # keys/values as tuples: the lists grow after
+        if recompute is not None and s < recompute.steps:  # keys/values as tuples: the lists grow after
             hidden, k, v = recomputed(layer, s, hidden, tuple(keys), tuple(values))
         else:
             hidden, k, v = layer(s, hidden, keys, values)

@@ -5,7 +5,8 @@ Two switches of the `train` section, both off by default (the step then runs exa
   outputs for backward and runs again when backward reaches it (torch.utils.checkpoint, non-reentrant:
   the compiled layer halves and flex attention run inside it as they are). The layer's saved activations,
   about 14 tensors per token per step, most of them H- or intermediate-wide, give way to its output and
-  keys/values; backward does one more forward of the layer.
+  keys/values; backward does one more forward of the layer. `true` checkpoints every step; a number N
+  the first N steps only, for a length that needs part of the saving at part of the cost.
 - `loss_chunk_tokens`: the loss over chunks of that many loss rows, each chunk's logits computed again
   in backward, so one chunk's [rows, k, K] logits and their gradient are live instead of the batch's.
   Backward does one more lm_head forward per chunk.
@@ -22,19 +23,33 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from eagle3build.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Recompute:
     """Which parts of a training step recompute in backward instead of keeping their activations."""
 
-    steps: bool  # train.activation_checkpointing: each TTT step's layer
+    steps: int  # train.activation_checkpointing: the TTT steps 0 .. steps - 1 recompute their layer
     loss_chunk: int  # train.loss_chunk_tokens: loss rows per chunk of the loss (0: the whole batch at once)
 
     @classmethod
     def from_params(cls, p: dict) -> Recompute | None:
         """From the `train` section; None when both are off (the step as it runs without them)."""
-        recompute = cls(bool(p["activation_checkpointing"]), int(p["loss_chunk_tokens"] or 0))
+        recompute = cls(checkpointed_steps(p["activation_checkpointing"], int(p["ttt_steps"])),
+                        int(p["loss_chunk_tokens"] or 0))
         return recompute if recompute.steps or recompute.loss_chunk else None
+
+
+def checkpointed_steps(value: bool | int, ttt_steps: int) -> int:
+    """How many TTT steps (the first ones) a `train.activation_checkpointing` value recomputes: true every
+    step, false none, a number that many."""
+    if isinstance(value, bool):
+        return ttt_steps if value else 0
+    if not 0 <= value <= ttt_steps:
+        raise ConfigError("train.activation_checkpointing",
+                          f"{value} steps of train.ttt_steps {ttt_steps}: give 0..{ttt_steps}, or true for every step")
+    return int(value)
 
 
 def recomputed(fn: Callable, *args):

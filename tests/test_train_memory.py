@@ -1,0 +1,54 @@
+"""The step's memory estimate as training uses it (eagle3build/train/memory.py): the note logged before
+the first step, and the switches it proposes when a configured step would not fit its device."""
+
+from __future__ import annotations
+
+import re
+
+from eagle3build.draft.model import DraftConfig
+from eagle3build.train.loop import resolve_params
+from eagle3build.train.memory import FIT_SHARE, fitting_switches, memory_estimate, memory_note, shape_of
+
+# Kimi-K2.5's width and vocab with peer-train-bench's GQA layer (the shape of BENCHMARKS §2's measured peaks)
+KIMI = DraftConfig(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
+                   intermediate_size=18432, rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=131072,
+                   vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168)
+H100_GIB = 79.2
+
+
+def test_a_step_that_fits_is_noted_without_advice():
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 8192}), H100_GIB, ddp=False)
+    assert "estimated peak of a step 38.3 GiB at train.batch_tokens 8192" in note  # measured: 39.3 (H100)
+    assert "may run out" not in note
+
+
+def test_a_step_that_would_not_fit_names_the_cheapest_keys_that_do():
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 24576}), H100_GIB, ddp=False)
+    # one checkpointed step costs less recomputation than the chunked loss at this shape, and suffices
+    assert "may run out of memory; set train.activation_checkpointing: 1 (estimate 71.2 GiB" in note, note
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 24576}), 76.0, ddp=False)
+    assert "set train.activation_checkpointing: 2 (estimate 68.2 GiB" in note, note
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 32768}), H100_GIB, ddp=False)
+    assert "set train.loss_chunk_tokens: 2048 (estimate 66.4 GiB" in note, note
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 262144}), H100_GIB, ddp=False)
+    assert note.endswith("may run out of memory; lower train.batch_tokens")
+
+
+def test_ddp_counts_its_gradient_buckets_in_the_note_and_the_advice():
+    p = resolve_params({"batch_tokens": 16384})
+    alone, ddp = (float(re.search(r"step ([\d.]+) GiB", memory_note(KIMI, p, H100_GIB, d)).group(1))
+                  for d in (False, True))
+    assert 3.5 < ddp - alone < 3.7  # 4 bytes x 963M trainable weights (the lm_head's 229M included)
+    note = memory_note(KIMI, p, 64.0, ddp=True)
+    est = float(re.search(r"\(estimate ([\d.]+) GiB", note).group(1))
+    assert est <= FIT_SHARE * 64.0
+
+
+def test_the_proposed_switches_fit_and_more_recomputation_never_costs_memory():
+    shape = shape_of(KIMI)
+    for T in (16384, 24576, 32768, 65536):
+        fit = fitting_switches(shape, T, 7, 70.0)
+        assert fit is not None and fit["estimate_gib"] <= 70.0
+        estimates = [memory_estimate(shape, T, 7, 1.0, n)["total"] for n in range(7)]
+        assert estimates == sorted(estimates, reverse=True)  # each checkpointed step saves memory
+        assert memory_estimate(shape, T, 7, 1.0, True)["total"] >= estimates[6]  # the last step's saves nothing
