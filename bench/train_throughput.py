@@ -515,7 +515,7 @@ def main() -> int:
     ok = [r for r in report["results"] if r["ok"]]
     for r in ok:
         ckpt = r["activation_checkpointing"]
-        switches = ("" if not ckpt else " checkpointed" if ckpt is True else f" {ckpt} steps checkpointed") + (
+        switches = ("" if not ckpt else " checkpointed" if ckpt is True else f" first {ckpt} step(s) checkpointed") + (
             " frozen lm_head" if r.get("freeze_lm_head") else "") + (
             f" loss chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "")
         print(
