@@ -146,6 +146,25 @@ def test_eval_compare_smoke_reads_tau_from_both_evaluators(tmp_path):
         assert r["spec_tokens"] == r["base_tokens"] > 0
 
 
+def test_variant_load_smoke_serves_each_variant_from_the_plain_head(tmp_path):
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    run = smoke("vllm_variant_load.py", tmp_path, "--smoke")
+    from eagle3build.draft.model import DraftConfig
+
+    assert list(run["variants"]) == ["plain", *DraftConfig.VARIANTS]
+    for name, row in run["variants"].items():
+        assert row["loaded"], row.get("traceback")
+        assert row["config_keys"] == {k: k == name for k in DraftConfig.VARIANTS}  # one switch on at a time
+        s = row["sets"]["stories"]
+        assert s["turns"] == {"hf": 3, "vllm": 3} and s["vllm"]["tau"] == pytest.approx(2.0)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "w" / "fc_norm" / "export" / "eagle3" / "model.safetensors"), "pt") as f:
+        assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(f.keys())
+        assert torch.equal(f.get_tensor("fc_norm.0.weight"), torch.ones_like(f.get_tensor("fc_norm.0.weight")))
+
+
 # ---------------------------------------------------------------- queued aborts and killed jobs
 def test_abort_probe_smoke_the_relay_keeps_the_engine_alive_and_a_direct_abort_crashes_it(tmp_path):
     run = smoke("vllm_abort_probe.py", tmp_path, "--smoke")
