@@ -58,12 +58,13 @@ def question_file(path: str, work: Path, name: str, first_turn: bool, limit: int
     return str(out)
 
 
-def vllm_params(args, k: int, max_new: int, concurrency: int, temperature: float | None = None) -> dict:
+def vllm_params(args, k: int, max_new: int, concurrency: int, temperature: float | None = None,
+                baseline: bool = True) -> dict:
     env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     server = {"executable": vc.engine_executable(vc.FAKE_SPEC if args.fake else None), "env": env,
               "extra_args": list(args.vllm_arg), "gpu_memory_utilization": args.gpu_memory_utilization,
               "max_model_len": args.max_model_len, "concurrency": concurrency, "num_speculative_tokens": k,
-              "baseline": True, "startup_timeout_s": 60 if args.fake else 900}
+              "baseline": baseline, "startup_timeout_s": 60 if args.fake else 900}
     sampling = {"temperatures": [0.0, temperature]} if temperature else {}
     return {"k": list(range(1, k + 1)), "max_new_tokens": max_new, "sequential_k": [], "vllm": server, **sampling}
 
@@ -88,7 +89,7 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
                              "device": args.device, "sequential_samples": 0,
                              "reference_batch_size": args.reference_batch_size})
     v_report = vllm.evaluate(args.draft, target, eval_set, str(work / f"vllm_{name}.json"),
-                             str(work / f"vllm_{name}.png"), vllm_params(args, k, int(max_new), 1, args.temperature))
+                             str(work / f"vllm_{name}.png"), vllm_params(args, k, int(max_new), 1, args.temperature, args.baseline))
     h, v = hf_report["sets"][name], v_report["sets"][name]
     out = {"questions": v["questions"], "turns": {"hf": h["turns"], "vllm": v["turns"]}, "max_new_tokens": int(max_new),
            "hf": {**tau_row(h, k), "device": hf_report["device"], "dtype": hf_report["dtype"]},
@@ -160,6 +161,8 @@ def main() -> int:
     p.add_argument("--speed-set", help="question file for the tokens/s runs (first turns)")
     p.add_argument("--speed", action="append", default=[], help="CONCURRENCY:QUESTIONS (repeat)")
     p.add_argument("--speed-max-new-tokens", type=int, default=256)
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="--set runs without the server that has no draft (no mismatch count, no tokens/s ratio)")
     p.add_argument("--temperature", type=float, default=None,
                    help="also the vLLM side's tau at this temperature > 0 on every --set")
     p.add_argument("--reference-batch-size", type=int, default=128,

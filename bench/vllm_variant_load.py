@@ -11,7 +11,7 @@ trained for the switch, but both evaluators read the same weights, so a config k
 otherwise would show as a τ that differs from the evaluator's, and a weight it could not load as a server that
 does not start. Each goes through `export` (the stage's code) and `bench/vllm_eval_compare.py`'s comparison:
 the HF evaluator and `vllm serve --speculative-config` on the first --limit questions of each --set, at
-temperature 0. Reports per variant: whether the server loaded it, τ of both, their relative difference.
+temperature 0 (no server without the draft: its answers and speed are not the point here). Reports per variant: whether the server loaded it, τ of both, their relative difference.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> int:
         args.target, args.fake, args.set = str(vec.STORIES), True, [f"stories={questions}:8"]
     if not (args.target and args.draft and args.set):
         p.error("--target, --draft and a --set are required (or --smoke)")
-    args.temperature = None  # vec.compare_set's knobs: greedy only
+    args.temperature, args.baseline = None, False  # vec.compare_set's knobs: greedy, one server per variant
     target = {"path": str(Path(args.target).resolve()), "chat_template": args.chat_template}
     sets = {name: first_questions(rest, args.limit, work, name) for name, rest in (s.split("=", 1) for s in args.set)}
     result = {"command": " ".join(sys.argv), "engine": "fake" if args.fake else "vllm", "k": args.k,

@@ -158,6 +158,7 @@ def test_variant_load_smoke_serves_each_variant_from_the_plain_head(tmp_path):
         assert row["config_keys"] == {k: k == name for k in DraftConfig.VARIANTS}  # one switch on at a time
         s = row["sets"]["stories"]
         assert s["turns"] == {"hf": 3, "vllm": 3} and s["vllm"]["tau"] == pytest.approx(2.0)
+        assert s["vllm"]["mismatches_vs_target_alone"] is None  # one server per variant: no baseline
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "w" / "fc_norm" / "export" / "eagle3" / "model.safetensors"), "pt") as f:
