@@ -46,7 +46,8 @@ def model_shape(model_dir: str | Path) -> tuple[int, int, int]:
 
 def extract_params(model_dir: str | Path, storage: str = "bf16", concurrency: int = 8, *, fake: bool = False,
                    max_length: int = 8192, gpu_memory_utilization: float = 0.3,
-                   extra_args: list[str] | None = None, env: dict | None = None) -> dict:
+                   extra_args: list[str] | None = None, env: dict | None = None,
+                   connector_dir: str | None = None) -> dict:
     """Flat params of `eagle3build.extraction.vllm.extract_shard_vllm` for a local target dir: the default
     aux ids then N, storage dtype, and the extract.vllm section (the rest at the schema's defaults)."""
     n, hidden, _ = model_shape(model_dir)
@@ -66,6 +67,7 @@ def extract_params(model_dir: str | Path, storage: str = "bf16", concurrency: in
             "gpu_memory_utilization": gpu_memory_utilization,
             "concurrency": concurrency,
             "startup_timeout_s": 60 if fake else 900,
+            "shared_storage_path": connector_dir,  # null: the run folder's (extract.vllm.shared_storage_path)
         },
     }
 

@@ -73,7 +73,8 @@ def vllm_rows(args, ids_list: list[torch.Tensor], tokens: Path, work: Path, boun
 
     def params(storage: str, concurrency: int) -> dict:
         return vc.extract_params(args.model, storage, concurrency, fake=args.fake, max_length=args.max_len,
-                                 gpu_memory_utilization=args.gpu_memory_utilization, extra_args=args.vllm_arg)
+                                 gpu_memory_utilization=args.gpu_memory_utilization, extra_args=args.vllm_arg,
+                                 connector_dir=args.connector_dir)
 
     small = work / "small.safetensors"
     write_tokens(small, ids_list[:16], [torch.ones(len(x)) for x in ids_list[:16]], {"tokenizer": "synthetic"})
@@ -122,7 +123,8 @@ def run(args) -> dict:
               "hidden_size": hidden, "shard": {"tokens": sum(lengths), "samples": len(lengths)},
               "bytes_per_token": {s: hidden_bytes_per_token(hidden, s) for s in ("bf16", "fp8")},
               "disk_bytes_per_s": disk, "dd": (dd.stderr.strip().splitlines() or [""])[-1],
-              "disk_bound_tokens_per_s": bound, "rows": []}
+              "disk_bound_tokens_per_s": bound, "connector_dir": args.connector_dir or "run folder (the disk)",
+              "rows": []}
     print(f"disk {disk / 1e9:.2f} GB/s -> bound {bound['bf16']:,.0f} tok/s bf16; dd: {result['dd']}", flush=True)
     if not args.skip_hf:
         result["rows"] += hf_rows(args, tokens, work, bound)
@@ -144,6 +146,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeat)")
+    p.add_argument("--connector-dir", help="the connector's folder (extract.vllm.shared_storage_path), e.g. "
+                   "/dev/shm/eagle3build-hs: its per-request files in RAM; default the run folder, on the disk")
     p.add_argument("--work", help="scratch folder on the disk to measure")
     p.add_argument("--out", help="results file (default bench/results/vllm_extract_throughput.json)")
     args = p.parse_args()

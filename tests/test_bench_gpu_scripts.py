@@ -123,6 +123,18 @@ def test_extract_throughput_smoke_measures_every_path_against_the_disk_bound(tmp
     assert no_server_left(tmp_path / "w" / "run")
 
 
+def test_extract_throughput_can_put_the_connector_files_elsewhere(tmp_path):
+    """--connector-dir (extract.vllm.shared_storage_path, e.g. /dev/shm): the engine's per-request files go
+    there, and every one is gone when the run ends."""
+    conn = tmp_path / "conn"
+    run = smoke("vllm_extract_throughput.py", tmp_path, "--smoke", "--skip-hf", "--storage", "bf16",
+                "--connector-dir", str(conn))
+    assert run["connector_dir"] == str(conn)
+    assert conn.is_dir() and not any(conn.iterdir())
+    assert not any((tmp_path / "w" / "run").rglob("*.safetensors"))  # nothing written beside the run
+
+
+
 # ---------------------------------------------------------------- evaluation through vLLM
 def test_eval_compare_smoke_reads_tau_from_both_evaluators(tmp_path):
     if not STORIES.exists():
