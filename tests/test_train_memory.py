@@ -52,3 +52,13 @@ def test_the_proposed_switches_fit_and_more_recomputation_never_costs_memory():
         estimates = [memory_estimate(shape, T, 7, 1.0, n)["total"] for n in range(7)]
         assert estimates == sorted(estimates, reverse=True)  # each checkpointed step saves memory
         assert memory_estimate(shape, T, 7, 1.0, True)["total"] >= estimates[6]  # the last step's saves nothing
+
+
+def test_fsdp_holds_a_shard_of_the_trained_weights_state_not_of_the_frozen_ones():
+    shape = shape_of(KIMI)
+    whole, sharded = (memory_estimate(shape, 8192, 7, weight_shards=n)["static"] for n in (1, 8))
+    frozen = (4 * 163840 * 7168 + 2 * (163840 + 32000) * 7168) / 2**30  # embedding fp32, target head bf16
+    assert abs((whole - frozen) / 8 - (sharded - frozen)) < 0.02
+    p = resolve_params({"batch_tokens": 24576})
+    assert "may run out" in memory_note(KIMI, p, H100_GIB)
+    assert "may run out" not in memory_note(KIMI, p, H100_GIB, fsdp_shards=8)

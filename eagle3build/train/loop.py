@@ -254,7 +254,8 @@ def train(
     )
     if cuda:  # before the first step and its compilations: whether the step fits, and what would
         device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-        log(memory_note(config, p, device_gib, ddp=d.world_size > 1 and not fsdp), d)
+        log(memory_note(config, p, device_gib, ddp=d.world_size > 1 and not fsdp,
+                        fsdp_shards=d.world_size if fsdp else 1), d)
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
     warm = starting_weights(draft, p, d)  # train.init_from, train.freeze_lm_head
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)

@@ -28,7 +28,7 @@ def trainable_weights(shape: dict) -> int:
 
 def memory_estimate(
     shape: dict, T: int, ttt: int, loss_fraction: float = 1.0, checkpointing: bool | int = False, loss_chunk: int = 0,
-    frozen_lm_head: bool = False,
+    frozen_lm_head: bool = False, weight_shards: int = 1,
 ) -> dict:
     """Estimated peak GPU memory of one training step on one process (GiB, by part): the step under bf16
     autocast, compiled, as training and bench/train_throughput.py run it (docs/TRAINING.md, "Memory"). An
@@ -38,7 +38,8 @@ def memory_estimate(
       the step (2 P), the frozen embedding (fp32, 4 V H), the scorer's bf16 lm_head (2 V H) and its draft
       rows (2 K H); of the fp32 gradients (4 P) only lm_head's (4 K H) exists at the peak, the start of
       backward: the others are allocated as backward frees activations (the step sets them to None). A
-      frozen lm_head (train.freeze_lm_head) has neither AdamW moments nor that gradient.
+      frozen lm_head (train.freeze_lm_head) has neither AdamW moments nor that gradient. FSDP over
+      `weight_shards` processes holds a shard of the trainable weights' share (the frozen ones whole).
     layers: per TTT step, what backward keeps: at each computed row (T at step 0, the M loss rows after)
       its input, attention output, residual sum and gate/up (2 (2 H + nh hd + 2 I) bytes), at every
       token q, output, k, v and the log-sum-exp (2 (2 nh hd + 2 nkv hd) + 4 nh); Inductor recomputes the
@@ -56,7 +57,8 @@ def memory_estimate(
     inter, K, V = shape["intermediate"], shape["draft_vocab"], shape["vocab"]
     q, kv = nh * hd, nkv * hd
     params = trainable_weights(shape)
-    static = 14 * params + 4 * V * H + 2 * (V + K) * H + 4 * K * H - (12 * K * H if frozen_lm_head else 0)
+    trained = 14 * params + 4 * K * H - (12 * K * H if frozen_lm_head else 0)
+    static = trained / weight_shards + 4 * V * H + 2 * (V + K) * H
     M = min(T, math.ceil(loss_fraction * T))
     row, token = 2 * (2 * H + q + 2 * inter), 2 * (2 * q + 2 * kv) + 4 * nh
     c = checkpointed_steps(checkpointing, ttt)
@@ -74,7 +76,8 @@ def memory_estimate(
     return {**gib, "backward_end": round(end / 2**30, 2), "total": round(max(sum(parts.values()), end) / 2**30, 2)}
 
 
-def fitting_switches(shape: dict, T: int, ttt: int, budget_gib: float, frozen_lm_head: bool = False) -> dict | None:
+def fitting_switches(shape: dict, T: int, ttt: int, budget_gib: float, frozen_lm_head: bool = False,
+                     weight_shards: int = 1) -> dict | None:
     """The memory switches (train keys) whose estimate at T tokens, every row with a loss, is within
     `budget_gib`, at the least recomputation: a checkpointed step costs one more forward of the layer, the
     chunked loss one more lm_head forward per step (their FLOPs per row order the options); None when
@@ -84,26 +87,26 @@ def fitting_switches(shape: dict, T: int, ttt: int, budget_gib: float, frozen_lm
     lm_head = ttt * H * shape["draft_vocab"]
     options = [(n * layer + chunk * lm_head, n, chunk) for n in range(ttt) for chunk in (0, 1) if n or chunk]
     for _, n, chunk in sorted(options):
-        total = memory_estimate(shape, T, ttt, 1.0, n, 2048 * chunk, frozen_lm_head)["total"]
+        total = memory_estimate(shape, T, ttt, 1.0, n, 2048 * chunk, frozen_lm_head, weight_shards)["total"]
         if total <= budget_gib:
             switches = {"activation_checkpointing": n} if n else {}
             return switches | ({"loss_chunk_tokens": 2048} if chunk else {}) | {"estimate_gib": total}
     return None
 
 
-def memory_note(config: DraftConfig, p: dict, device_gib: float, ddp: bool) -> str:
+def memory_note(config: DraftConfig, p: dict, device_gib: float, ddp: bool = False, fsdp_shards: int = 1) -> str:
     """What training logs before its first step: the step's estimated peak at train.batch_tokens beside the
     device's memory, and, where it would not fit, the train keys that would (or a smaller batch)."""
     shape, T, ttt, frozen = shape_of(config), int(p["batch_tokens"]), int(p["ttt_steps"]), p["freeze_lm_head"]
     ddp_gib = 4 * trainable_weights(shape) / GIB if ddp else 0.0  # DDP's gradient buckets exist from the start
     total = memory_estimate(shape, T, ttt, 1.0, p["activation_checkpointing"], p["loss_chunk_tokens"],
-                            frozen)["total"] + ddp_gib
+                            frozen, fsdp_shards)["total"] + ddp_gib
     note = (f"estimated peak of a step {total:.1f} GiB at train.batch_tokens {T}, every row with a loss (an upper "
             f"bound; docs/TRAINING.md, Memory); the device has {device_gib:.1f} GiB")
     budget = FIT_SHARE * device_gib
     if total <= budget:
         return note
-    fit = fitting_switches(shape, T, ttt, budget - ddp_gib, frozen)
+    fit = fitting_switches(shape, T, ttt, budget - ddp_gib, frozen, fsdp_shards)
     if fit is None:
         return f"{note}: it may run out of memory; lower train.batch_tokens"
     keys = ", ".join(f"train.{k}: {v}" for k, v in fit.items() if k != "estimate_gib")
