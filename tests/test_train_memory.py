@@ -62,3 +62,16 @@ def test_fsdp_holds_a_shard_of_the_trained_weights_state_not_of_the_frozen_ones(
     p = resolve_params({"batch_tokens": 24576})
     assert "may run out" in memory_note(KIMI, p, H100_GIB)
     assert "may run out" not in memory_note(KIMI, p, H100_GIB, fsdp_shards=8)
+
+
+def test_the_runs_peaks_go_to_the_log_and_the_summary(monkeypatch, capsys):
+    import torch
+
+    from eagle3build.train.distributed import Dist
+    from eagle3build.train.loop import gpu_memory_peaks
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 39.31 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 44.0 * 2**30)
+    d = Dist(rank=0, local_rank=0, world_size=1)
+    assert gpu_memory_peaks(torch.device("cpu"), d) == {"peak_memory_gib": 39.31, "peak_reserved_gib": 44.0}
+    assert "peak GPU memory 39.31 GiB allocated, 44.0 GiB reserved" in capsys.readouterr().err

@@ -97,6 +97,16 @@ def starting_weights(draft: Eagle3Draft, p: dict, d: Dist) -> dict | None:
     return warm
 
 
+def gpu_memory_peaks(device: torch.device, d: Dist) -> dict:
+    """This process's peak GPU memory over the run (GiB), logged and kept in the summary: what the estimate
+    logged before the first step is checked against."""
+    peaks = {"peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / GIB, 2)}
+    log(f"peak GPU memory {peaks['peak_memory_gib']} GiB allocated, {peaks['peak_reserved_gib']} GiB reserved "
+        "(rank 0)", d)
+    return peaks
+
+
 def freeze_lm_head(draft: Eagle3Draft, initialised: bool) -> None:
     """train.freeze_lm_head: the draft's lm_head keeps the rows it starts from (set before the optimiser
     and FSDP2 see the parameters: frozen, it gets no AdamW state and stays replicated)."""
@@ -326,6 +336,7 @@ def train(
         "draft_config": config.to_dict(),
         "params": p,
         **({"warm_start": warm} if warm else {}),
+        **(gpu_memory_peaks(device, d) if cuda else {}),
     }
     if d.main:
         write_outputs(out, run_dir, summary)
