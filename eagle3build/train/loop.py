@@ -97,6 +97,13 @@ def starting_weights(draft: Eagle3Draft, p: dict, d: Dist) -> dict | None:
     return warm
 
 
+def note_memory(config: DraftConfig, p: dict, device: torch.device, d: Dist, fsdp: bool) -> None:
+    """On a GPU: the step's estimated peak beside the device's memory, and what would fit (train.memory)."""
+    if device.type == "cuda":
+        device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+        log(memory_note(config, p, device_gib, d.world_size > 1 and not fsdp, d.world_size if fsdp else 1), d)
+
+
 def gpu_memory_peaks(device: torch.device, d: Dist) -> dict:
     """This process's peak GPU memory over the run (GiB), logged and kept in the summary: what the estimate
     logged before the first step is checked against."""
@@ -244,9 +251,8 @@ def train(
     compiled = cuda if p["compile"] == "auto" else bool(p["compile"])
 
     # ---- data and the plan of every step
-    target, data, d2t, t2d = load_inputs(
-        hidden_paths, mapping_path, target_path, target_revision, p["batch_tokens"]
-    )
+    target, data, d2t, t2d = load_inputs(hidden_paths, mapping_path, target_path, target_revision,
+                                         p["batch_tokens"])
     train_idx, val_idx = split_samples(len(data.samples), float(p["val_fraction"]), p["seed"])
     micro_per_step = p["grad_accum"] * d.world_size
     plan = plan_steps(train_idx, data.lengths, p, micro_per_step)
@@ -262,10 +268,7 @@ def train(
     config = DraftConfig.from_target(
         target, len(d2t), data.layer_ids[:3], {k: p[k] for k in DraftConfig.OVERRIDABLE}
     )
-    if cuda:  # before the first step and its compilations: whether the step fits, and what would
-        device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-        log(memory_note(config, p, device_gib, ddp=d.world_size > 1 and not fsdp,
-                        fsdp_shards=d.world_size if fsdp else 1), d)
+    note_memory(config, p, device, d, fsdp)  # before the first step and its compilations
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
     warm = starting_weights(draft, p, d)  # train.init_from, train.freeze_lm_head
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)
