@@ -55,7 +55,7 @@ from eagle3build.train.optim import clipped_step  # noqa: E402
 from eagle3build.ttt.batch import PackedBatch, with_loss_rows, with_step_rows  # noqa: E402
 from eagle3build.ttt.forward import ttt_forward  # noqa: E402
 from eagle3build.ttt.loss import step_loss_weights, weighted_loss  # noqa: E402
-from eagle3build.ttt.recompute import Recompute, checkpointed_steps  # noqa: E402
+from eagle3build.ttt.recompute import Recompute  # noqa: E402
 from eagle3build.ttt.scorer import TargetScorer  # noqa: E402
 
 PRESETS = {
@@ -290,8 +290,8 @@ def run_config(args, shape, T, device, variant: str, matmul: dict, out_dir: Path
     """variant: 'compiled' (flex + compiled layer halves and loss) or 'flex-only' (only flex compiled)."""
     cuda = device.type == "cuda"
     result = dict(T=T, ttt=args.ttt, variant=variant, ok=False, **memory_switches(args, shape, T))
-    recompute = Recompute(checkpointed_steps(args.activation_checkpointing, args.ttt), args.loss_chunk_tokens)
-    recompute = recompute if recompute.steps or recompute.loss_chunk else None
+    recompute = Recompute.from_params({"activation_checkpointing": args.activation_checkpointing,
+                                       "ttt_steps": args.ttt, "loss_chunk_tokens": args.loss_chunk_tokens})
     t_start = time.perf_counter()
     try:
         if cuda:

@@ -82,7 +82,7 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
     first = parts[-1] == "first"
     parts = parts[:-1] if first else parts
     path, max_new = ":".join(parts[:-1]), parts[-1]
-    eval_set = [{"name": name, "path": question_file(path, work, name, first)}]
+    eval_set = [{"name": name, "path": question_file(path, work, name, first, args.limit)}]
     hf_report = hf.evaluate(args.draft, {**target, "dtype": args.hf_dtype}, eval_set, str(work / f"hf_{name}.json"),
                             str(work / f"hf_{name}.png"),
                             {"k": list(range(1, k + 1)), "max_new_tokens": int(max_new), "sequential_k": [],
@@ -151,20 +151,14 @@ def smoke_inputs(work: Path) -> tuple[str, str, str]:
     return str(template), str(work / "export" / "eagle3"), str(questions)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_compare_args(p: argparse.ArgumentParser, bench: str, smoke_draft: str) -> None:
+    """The arguments of compare_set's runs, shared with bench/vllm_variant_load.py."""
     p.add_argument("--target", help="HF target dir")
     p.add_argument("--chat-template", help="a Jinja file overriding the target's template (both evaluators)")
     p.add_argument("--draft", help="the exported eagle3/ folder")
     p.add_argument("--set", action="append", default=[], help="NAME=FILE:MAX_NEW_TOKENS[:first] (repeat)")
+    p.add_argument("--limit", type=int, default=None, help="the first LIMIT questions of each --set (default all)")
     p.add_argument("--k", type=int, default=3, help="draft tokens the server proposes (K)")
-    p.add_argument("--speed-set", help="question file for the tokens/s runs (first turns)")
-    p.add_argument("--speed", action="append", default=[], help="CONCURRENCY:QUESTIONS (repeat)")
-    p.add_argument("--speed-max-new-tokens", type=int, default=256)
-    p.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="--set runs without the server that has no draft (no mismatch count, no tokens/s ratio)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="also the vLLM side's tau at this temperature > 0 on every --set")
     p.add_argument("--reference-batch-size", type=int, default=128,
                    help="rows per batched greedy decode of the HF evaluator (its references; no timing here)")
     p.add_argument("--hf-dtype", default="auto", help="target dtype of the HF evaluator (auto: bf16 on GPU)")
@@ -173,9 +167,21 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeat)")
     p.add_argument("--fake", action="store_true", help="tests/fake_vllm_spec_server.py instead of vLLM")
-    p.add_argument("--smoke", action="store_true", help="CPU: stories260K, a random exported draft, the fake")
+    p.add_argument("--smoke", action="store_true", help=f"CPU: stories260K, {smoke_draft}, the fake")
     p.add_argument("--work", help="scratch folder (reports, plots)")
-    p.add_argument("--out", help="results file (default bench/results/vllm_eval_compare.json)")
+    p.add_argument("--out", help=f"results file (default bench/results/{bench}.json)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_compare_args(p, BENCH, "a random exported draft")
+    p.add_argument("--speed-set", help="question file for the tokens/s runs (first turns)")
+    p.add_argument("--speed", action="append", default=[], help="CONCURRENCY:QUESTIONS (repeat)")
+    p.add_argument("--speed-max-new-tokens", type=int, default=256)
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="--set runs without the server that has no draft (no mismatch count, no tokens/s ratio)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="also the vLLM side's tau at this temperature > 0 on every --set")
     args = p.parse_args()
     args.work = args.work or tempfile.mkdtemp(prefix="vllm-eval-")
     Path(args.work).mkdir(parents=True, exist_ok=True)

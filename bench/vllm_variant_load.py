@@ -11,7 +11,8 @@ trained for the switch, but both evaluators read the same weights, so a config k
 otherwise would show as a τ that differs from the evaluator's, and a weight it could not load as a server that
 does not start. Each goes through `export` (the stage's code) and `bench/vllm_eval_compare.py`'s comparison:
 the HF evaluator and `vllm serve --speculative-config` on the first --limit questions of each --set, at
-temperature 0 (no server without the draft: its answers and speed are not the point here). Reports per variant: whether the server loaded it, τ of both, their relative difference.
+temperature 0 (no server without the draft: its answers and speed are not the point here). Reports per
+variant: whether the server loaded it, τ of both, their relative difference.
 """
 
 from __future__ import annotations
@@ -52,35 +53,11 @@ def variant_export(plain_dir: str, target: str, flag: str | None, out: Path) -> 
     return str(out / "export" / "eagle3")
 
 
-def first_questions(spec: str, limit: int | None, work: Path, name: str) -> str:
-    """`spec` (FILE:MAX_NEW_TOKENS[:first]) with its file cut to the first `limit` questions."""
-    parts = spec.split(":")
-    first = parts[-1] == "first"
-    body = parts[:-1] if first else parts
-    path, max_new = ":".join(body[:-1]), body[-1]
-    cut = vec.question_file(path, work, f"{name}_first{limit}", first, limit)
-    return f"{cut}:{max_new}"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="HF target dir")
-    p.add_argument("--chat-template", help="a Jinja file overriding the target's template (both evaluators)")
-    p.add_argument("--draft", help="a trained plain head: the export stage's eagle3/ folder")
-    p.add_argument("--set", action="append", default=[], help="NAME=FILE:MAX_NEW_TOKENS[:first] (repeat)")
-    p.add_argument("--limit", type=int, default=24, help="questions of each set")
+    vec.add_compare_args(p, BENCH, "a random plain head")
+    p.set_defaults(limit=24)
     p.add_argument("--variants", nargs="*", default=["plain", *DraftConfig.VARIANTS])
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--reference-batch-size", type=int, default=64)
-    p.add_argument("--hf-dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeat)")
-    p.add_argument("--fake", action="store_true", help="tests/fake_vllm_spec_server.py instead of vLLM")
-    p.add_argument("--smoke", action="store_true", help="CPU: stories260K, a random plain head, the fake")
-    p.add_argument("--work", help="scratch folder")
-    p.add_argument("--out", help="results file (default bench/results/vllm_variant_load.json)")
     args = p.parse_args()
     unknown = set(args.variants) - {"plain", *DraftConfig.VARIANTS}
     if unknown:
@@ -94,7 +71,7 @@ def main() -> int:
         p.error("--target, --draft and a --set are required (or --smoke)")
     args.temperature, args.baseline = None, False  # vec.compare_set's knobs: greedy, one server per variant
     target = {"path": str(Path(args.target).resolve()), "chat_template": args.chat_template}
-    sets = {name: first_questions(rest, args.limit, work, name) for name, rest in (s.split("=", 1) for s in args.set)}
+    sets = dict(spec.split("=", 1) for spec in args.set)
     result = {"command": " ".join(sys.argv), "engine": "fake" if args.fake else "vllm", "k": args.k,
               "plain_from": args.draft, "variants": {}}
     for variant in args.variants:
