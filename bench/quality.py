@@ -56,6 +56,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -559,7 +560,7 @@ def print_table(path: Path, device: str | None) -> None:
         print(f"\n{r['device']}, {r['date']}, {r['commit']}:\n\n{tables(r['variants'])}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, default=BASE_CONFIG, help="the base config (default %(default)s)")
     p.add_argument("--variants", nargs="+", default=None, help=f"default: all ({' '.join(VARIANTS)}); "
@@ -571,8 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-regeneration", action="store_true",
                    help="start the regeneration server for the variants that regenerate, stop it before extraction")
     p.add_argument("--serve-executable", nargs="+", default=VLLM_EXECUTABLE, help="argv prefix of `... serve MODEL`")
-    p.add_argument("--serve-args", nargs="*", default=["--gpu-memory-utilization", "0.3"],
-                   help="more arguments of the regeneration server (default: %(default)s)")
+    p.add_argument("--serve-args", type=shlex.split, default="--gpu-memory-utilization 0.3",
+                   help="more arguments of the regeneration server, one quoted string (argparse takes no list of "
+                        "words that start with --): '--gpu-memory-utilization 0.3 --max-model-len 4096' "
+                        "(default: '%(default)s')")
     p.add_argument("--serve-timeout-s", type=float, default=900)
     p.add_argument("--free-hidden", action="store_true",
                    help="delete hidden states once no remaining variant trains on them (for a disk that holds one set; "
@@ -586,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="with --table: only this device's run")
     p.add_argument("--out", type=Path, default=None,
                    help="results file (bench/results/ format: this run replaces its device's entry)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.table:
         print_table(args.table, args.device)

@@ -90,6 +90,13 @@ def test_free_hidden_waits_for_the_last_variant_that_trains_on_a_set(tmp_path):
     assert not (roots["fp8"] / "hidden").exists()
 
 
+def test_serve_args_take_the_engine_flags_as_one_string():
+    """argparse refuses a list of words that start with --, so the server's flags come as one string."""
+    args = quality.parser().parse_args(["--serve-args", "--gpu-memory-utilization 0.3 --max-model-len 4096"])
+    assert args.serve_args == ["--gpu-memory-utilization", "0.3", "--max-model-len", "4096"]
+    assert quality.parser().parse_args([]).serve_args == ["--gpu-memory-utilization", "0.3"]
+
+
 def test_job_counts_reads_the_run_table_not_a_later_one():
     text = ("Job stats:\njob      count\n-----  -------\ntotal        0\n\nJob stats:\njob  count\n---  ---\n"
             "split_0 1\ntotal 1\n")
