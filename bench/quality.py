@@ -247,7 +247,7 @@ def server_ready(url: str) -> bool:
 @contextlib.contextmanager
 def regeneration_server(config: dict, args, log_path: Path):
     """The server regenerate.url names, started as `EXECUTABLE serve TARGET --port P ARGS...` and stopped
-    (its whole process group) on the way out."""
+    (its whole process group) on the way out, or when this script is killed (bound)."""
     from eagle3build.engine import process
     from eagle3build.engine.openai import normalize_base_url
 
@@ -261,7 +261,7 @@ def regeneration_server(config: dict, args, log_path: Path):
     cmd = [*args.serve_executable, "serve", config["target"]["model"], "--port", host_port.group(2),
            *args.serve_args]
     log(f"starting the regeneration server: {' '.join(cmd)} (log {log_path})")
-    proc = process.start(cmd, log_path, env={**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    proc = process.start(cmd, log_path, env={**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"}, bound=True)
     ticks = process.start_ticks(proc.pid)
     try:
         process.wait_ready(proc, lambda: server_ready(url), args.serve_timeout_s, 1.0)

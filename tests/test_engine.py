@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -56,6 +59,34 @@ def test_terminate_reaches_the_whole_group(tmp_path, mode):
     assert process.alive(leader, ticks) and not process.alive(leader, ticks + 1)  # another process, same pid
     process.terminate(leader, ticks, grace_s=0.5)  # SIGKILL follows when SIGTERM is ignored
     assert not process.alive(leader) and _gone(worker)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_bound_server_ends_with_its_starter_even_when_that_is_killed(tmp_path, bound):
+    """An evaluation's engine must not outlive a SIGKILLed job (its `finally` never runs) and keep the GPUs."""
+    log = tmp_path / "server.log"
+    starter = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from eagle3build.engine import process
+process.start([sys.executable, "-c", {SERVER!r}, "term"], Path({str(log)!r}), bound={bound})
+time.sleep(600)
+"""])
+    leader, worker = _pids(log)
+    try:
+        starter.kill()
+        starter.wait()
+        assert _gone(leader, timeout=10) is bound  # unbound, its own session outlives the starter
+    finally:
+        for pid in (leader, worker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_bound_server_that_cannot_run_says_so_at_start(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        process.start(["no-such-engine-xyz", "serve"], tmp_path / "x.log", bound=True)
 
 
 def test_wait_ready_reports_exit_and_timeout(tmp_path):

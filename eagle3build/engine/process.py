@@ -12,16 +12,20 @@ shared flock per job, `ServerFiles.clients`) for a while.
 What a workflow starts ends with it: the workflow records itself in the environment of its jobs
 (`WORKFLOW_ENV`, set by rules/common.smk), a job process ends when its workflow does (`bind_to_workflow`),
 and a server that outlives the job that started it (it serves the run's other jobs) watches the workflow
-that owns it (`watch_owner`).
+that owns it (`watch_owner`). A server that serves only the process that started it (an evaluation's
+`vllm serve`) is `bound` to it: the kernel sends it SIGTERM when that process ends, even by SIGKILL
+(`python -m eagle3build.engine.process exec-bound -- CMD` runs it so).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -155,9 +159,20 @@ def end_self(reason: str, grace_s: float) -> None:
 
 # ---------------------------------------------------------------- start, wait, stop
 def start(cmd: list[str], log_path: Path, env: dict | None = None,
-          banner: str | None = None) -> subprocess.Popen:
+          banner: str | None = None, bound: bool = False) -> subprocess.Popen:
     """Run cmd in its own process group (stopping it reaches every worker), its output appended to log_path.
-    An OSError (no such program) reaches the caller."""
+    An OSError (no such program) reaches the caller.
+
+    `bound`: the server belongs to the process that starts it (an evaluation's engine, a benchmark's), so
+    it gets SIGTERM when that process ends, even by SIGKILL, where its own `finally` cannot stop it. The
+    server's own group would otherwise outlive it and keep its GPUs' memory. A server shared by several
+    jobs is not bound: its watchdog and owner stop it (start_watchdog)."""
+    if bound:
+        if shutil.which(cmd[0]) is None:
+            raise FileNotFoundError(errno.ENOENT, "no such program", cmd[0])
+        # exec'd by a small wrapper that asks the kernel for the signal first: a preexec_fn would run
+        # Python between fork and exec, which is unsafe in a process with threads (a job's owner watch)
+        cmd = module_command("eagle3build.engine.process", ["exec-bound", "--", *cmd])
     with open(log_path, "ab") as log:
         if banner:
             log.write(banner.encode())
@@ -343,7 +358,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("lock", "state", "clients"):
         watch_cmd.add_argument(name, type=Path)
     watch_cmd.add_argument("idle_s", type=float)
+    bound_cmd = sub.add_parser("exec-bound", help="run CMD so that it gets SIGTERM when its starter ends "
+                                                  "(start(..., bound=True))")
+    bound_cmd.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "exec-bound":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        starter = os.getppid()
+        die_with_parent()  # where the kernel cannot, the server runs unbound, as before
+        if os.getppid() != starter:
+            return 128 + signal.SIGTERM  # the starter ended before the signal was set: nobody would stop it
+        os.execvp(cmd[0], cmd)  # the signal setting survives exec; the pid stays the group's leader
     watch(ServerFiles(args.lock, args.state, args.clients, Path(os.devnull)), args.idle_s)
     return 0
 

@@ -66,17 +66,18 @@ def healthy(port: int, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
 
 
 def launch(cmd: list[str], cfg: dict, log_path: Path, port: int, section: str,
-           base_env: dict | None = None) -> subprocess.Popen:
+           base_env: dict | None = None, bound: bool = False) -> subprocess.Popen:
     """Start `cmd` (its output appended to log_path) and wait until it answers /health.
 
     The environment is ours, then SERVER_ENV, then `base_env`, then the section's `env`. A program that
     cannot run names `{section}.executable`; a server that exits or is not healthy within
-    `{section}.startup_timeout_s` was stopped, and the error quotes the log's last lines."""
+    `{section}.startup_timeout_s` was stopped, and the error quotes the log's last lines. A `bound` server
+    ends with this process (process.start)."""
     env = {**os.environ, **SERVER_ENV, **(base_env or {}), **{str(k): str(v) for k, v in cfg["env"].items()}}
     log_start = log_path.stat().st_size if log_path.exists() else 0
     try:
         banner = f"\n=== eagle3build: starting {json.dumps(cmd)}\n"
-        proc = process.start(cmd, log_path, env, banner)
+        proc = process.start(cmd, log_path, env, banner, bound=bound)
     except OSError as e:
         raise ConfigError(
             f"{section}.executable",

@@ -190,11 +190,13 @@ class Server:
 @contextlib.contextmanager
 def serving(cfg: dict, target: dict, engine_args: list[str], log_path: Path,
             max_new_tokens: int) -> Iterator[Server]:
-    """`vllm serve` the target with `engine_args` until the block ends (then its process group stops)."""
+    """`vllm serve` the target with `engine_args` until the block ends (then its process group stops); a
+    killed job's server gets SIGTERM (bound), on which vLLM stops its engine, so it does not keep the GPUs
+    from the next run."""
     port = int(cfg["port"] or free_port())
     cmd = serve_command(cfg, target, port, engine_args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    proc = launch(cmd, cfg, log_path, port, SECTION, SERVER_ENV)
+    proc = launch(cmd, cfg, log_path, port, SECTION, SERVER_ENV, bound=True)
     ticks = process.start_ticks(proc.pid)
     try:
         server = Server(port, cfg, log_path, max_new_tokens)
