@@ -39,7 +39,9 @@ extraction needs the GPU.
 
 What the workflow cannot do and this script does: the links, the regeneration server, and one results file
 (bench/results/quality_smollm2.json: per variant and eval set, tau@k for every k, per category, and the T > 0
-rows where the variant measures them) with its tables. The fp32 cross-check of the stage-function driver this
+rows where the variant measures them) with its tables. <root>/quality.json is rewritten after each variant,
+so a run that is cut off keeps what finished; a variant whose build fails is listed under `failed` with the
+error (with --parallel the others finish), and the run exits non-zero after recording the rest. The fp32 cross-check of the stage-function driver this
 replaces is the evaluate stage's own now: `evaluate.sequential_samples` questions per set decode step by step
 in the target's dtype (`mismatches`, `simulation_agrees` in each report), and the turns that part from the
 reference there are decoded again in float32 (`float32_recheck`). The earlier driver's results stay in
@@ -63,6 +65,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -71,6 +74,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from eagle3build.atomic import write_json_atomic  # noqa: E402
+
 SHARED = ROOT.parent / "shared"
 BASE_CONFIG = ROOT / "configs" / "smollm2-gpu.yaml"
 ABLATIONS = ROOT / "configs" / "ablations"
@@ -450,7 +455,9 @@ def free_hidden(done: list[str], remaining: list[str], shared: dict, roots: dict
                 log(f"{name}: deleted its hidden states (--free-hidden; a later run extracts and trains again)")
 
 
-def run(args) -> dict:
+def run(args, done: Callable[[dict, dict], None] = lambda results, failed: None) -> tuple[dict, dict]:
+    """Build every variant; (results, failed): per variant its result, or why its build failed.
+    `done(results, failed)` is called after each variant, so what finished is kept if the run is cut off."""
     overrides, configs, shared = plan(args)
     roots = {n: args.workdir / c["output_root"] for n, c in configs.items()}
     paths = {n: args.root / "configs" / f"{n}.yaml" for n in configs}
@@ -460,20 +467,25 @@ def run(args) -> dict:
         for name in configs:
             links = ", ".join(shared[name]) if name != BASE else "-"
             print(f"make run CONFIG={safe_path(paths[name])}   # (this script links the base's: {links or 'nothing'})")
-        return {}
+        return {}, {}
     if args.smoke:  # the fake stands in for `vllm serve` on the same path
         args.serve_regeneration = True
         args.serve_executable, args.serve_args = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")], []
     if args.parallel > 1:
-        return run_parallel(args, overrides, configs, shared, roots, paths)
+        return run_parallel(args, overrides, configs, shared, roots, paths, done)
     results, names = {}, list(configs)
     for i, name in enumerate(names):
         t0 = time.perf_counter()
-        built = build_variant(args, name, configs[name], paths[name], roots[name], roots[BASE], shared[name])
+        try:
+            built = build_variant(args, name, configs[name], paths[name], roots[name], roots[BASE], shared[name])
+        except SystemExit as e:  # make() failed: stop here (the next variants may need what it did not build)
+            done(results, {name: str(e)})
+            return results, {name: str(e)}
         results[name] = variant_result(name, overrides[name], built, roots[name], configs[name], t0)
+        done(results, {})
         if args.free_hidden:
             free_hidden(names[:i + 1], names[i + 1:], shared, roots)
-    return results
+    return results, {}
 
 
 def variant_result(name: str, override: dict, built: dict, root: Path, config: dict, t0: float) -> dict:
@@ -498,7 +510,8 @@ def device_groups(parallel: int) -> list[dict]:
             for i in range(parallel)]
 
 
-def run_parallel(args, overrides: dict, configs: dict, shared: dict, roots: dict, paths: dict) -> dict:
+def run_parallel(args, overrides: dict, configs: dict, shared: dict, roots: dict, paths: dict,
+                 done: Callable[[dict, dict], None]) -> tuple[dict, dict]:
     """The base builds every stage another variant takes from it; then every variant, the base's own rest
     included, builds `args.parallel` at a time (each in its own output root, so Snakemake's locks never meet).
     A variant that fails is reported; the others finish."""
@@ -530,17 +543,16 @@ def run_parallel(args, overrides: dict, configs: dict, shared: dict, roots: dict
 
     results, failed = {}, {}
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        futures = {name: pool.submit(build, name) for name in configs}
-        for name, future in futures.items():
+        futures = {pool.submit(build, name): name for name in configs}
+        for future in concurrent.futures.as_completed(futures):
+            name = futures[future]
             try:
                 results[name] = future.result()
             except SystemExit as e:  # make() failed: the others go on
                 failed[name] = str(e)
                 log(f"{name}: FAILED\n{e}")
-    if failed:
-        sys.exit(f"variants failed: {', '.join(failed)} (their logs: {args.work / 'logs'}); "
-                 f"finished: {', '.join(results) or 'none'}")
-    return results
+            done({n: results[n] for n in configs if n in results}, failed)  # in the variants' order
+    return {n: results[n] for n in configs if n in results}, failed
 
 
 def device_name() -> str:
@@ -607,17 +619,29 @@ def main(argv: list[str] | None = None) -> int:
     safe_path(args.root)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.perf_counter()
-    variants = run(args)
-    if not variants:
-        return 0
-    result = {"date": started, "base_config": "smoke" if args.smoke else str(args.base), "smoke": args.smoke,
-              "wall_s": round(time.perf_counter() - t0, 1), "variants": variants}
-    (args.work / "quality.json").write_text(json.dumps(result, indent=1))
-    if args.out:
-        from results import record
 
-        record("quality_smollm2", device_name(), result, args.out)
-    print("\n" + tables(variants))
+    def results_file(variants: dict, failed: dict) -> dict:
+        """<root>/quality.json with the variants finished so far (and those that failed, with why)."""
+        result = {"date": started, "base_config": "smoke" if args.smoke else str(args.base), "smoke": args.smoke,
+                  "wall_s": round(time.perf_counter() - t0, 1), "variants": variants}
+        if failed:
+            result["failed"] = failed
+        write_json_atomic(args.work / "quality.json", result, indent=1)
+        return result
+
+    variants, failed = run(args, results_file)
+    if not variants and not failed:
+        return 0  # --configs-only
+    if variants:
+        result = results_file(variants, failed)
+        if args.out:
+            from results import record
+
+            record("quality_smollm2", device_name(), result, args.out)
+        print("\n" + tables(variants))
+    if failed:
+        sys.exit(f"variants failed: {', '.join(failed)} (their logs: {args.work / 'logs'}); "
+                 f"finished: {', '.join(variants) or 'none'}" + (f", recorded in {args.out}" if args.out and variants else ""))
     return 0
 
 

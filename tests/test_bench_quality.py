@@ -190,6 +190,41 @@ def test_parallel_builds_take_their_own_gpus_or_share_them(monkeypatch):
     assert quality.device_groups(3) == [{"CORES": "5"}] * 3  # the cores are still shared out
 
 
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_failed_or_cut_off_run_keeps_the_variants_that_finished(tmp_path, monkeypatch, parallel):
+    """Each finished variant is in <root>/quality.json at once (a run cut off keeps it), and one variant's
+    failure neither discards the others' results nor hides that it failed."""
+    def build_variant(args, name, *rest, **kwargs):
+        if name == "tv" and not kwargs.get("until"):
+            sys.exit("`make run` failed (2): CUDA out of memory")
+        return {"config": name, "output_root": name, "shared_from_base": [], "jobs": {}, "until_regenerate_s": 0.0,
+                "run_s": 0.0}
+
+    seen = []
+
+    def read_reports(root, config):
+        seen.append(json.loads((tmp_path / "build-q" / "quality.json").read_text())["variants"]
+                    if (tmp_path / "build-q" / "quality.json").exists() else {})
+        return {"sets": {"mt_bench": quality.set_summary(report(2.4))}, "train": {}}
+
+    monkeypatch.setattr(quality, "build_variant", build_variant)
+    monkeypatch.setattr(quality, "read_reports", read_reports)
+    out = tmp_path / "quality_smollm2.json"
+    argv = ["--variants", "eagle3", "tv", "fp8", "--parallel", str(parallel), "--root", "build-q",
+            "--workdir", str(tmp_path), "--out", str(out)]
+    with pytest.raises(SystemExit) as e:
+        quality.main(argv)
+    assert "variants failed: tv" in str(e.value)
+    saved = json.loads((tmp_path / "build-q" / "quality.json").read_text())
+    if parallel == 1:  # one at a time: the base ran, tv failed, fp8 (after it) never started
+        assert list(saved["variants"]) == ["eagle3"] and seen == [{}]
+    else:
+        assert set(saved["variants"]) == {"eagle3", "fp8"}
+    assert "CUDA out of memory" in saved["failed"]["tv"]
+    recorded = json.loads(out.read_text())["runs"][0]
+    assert recorded["variants"].keys() == saved["variants"].keys() and "tv" in recorded["failed"]
+
+
 def test_the_base_builds_up_to_the_last_shared_stages_only():
     assert quality.upstream_stages("vocab") == {"data", "regen", "tokens"}
     assert quality.upstream_stages("eval") == {"data", "regen", "tokens", "hidden", "vocab", "train", "export"}
