@@ -191,7 +191,8 @@ class Server:
 def serving(cfg: dict, target: dict, engine_args: list[str], log_path: Path,
             max_new_tokens: int) -> Iterator[Server]:
     """`vllm serve` the target with `engine_args` until the block ends (then its process group stops); a
-    killed job's server gets SIGTERM (bound), on which vLLM stops its engine, so it does not keep the GPUs
+    killed job's server gets SIGTERM (bound), on which vLLM stops its engine (vLLM 0.25.0: the API server's
+    SIGTERM handler in entrypoints/launcher.py shuts the engine client down), so it does not keep the GPUs
     from the next run."""
     port = int(cfg["port"] or free_port())
     cmd = serve_command(cfg, target, port, engine_args)
