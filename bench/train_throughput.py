@@ -73,6 +73,11 @@ PRESETS = {
     "kimi64": dict(
         hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000
     ),
+    # the draft configs/kimi-k2.5.yaml trains: DraftConfig.from_target of Kimi-K2.5's text config (64 heads,
+    # MLA's num_key_value_heads 64, no head_dim: 7168 / 64 = 112; the dense intermediate size)
+    "kimi_derived": dict(
+        hidden=7168, heads=64, kv_heads=64, head_dim=112, intermediate=18432, vocab=163840, draft_vocab=32000
+    ),
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128),
 }
 
