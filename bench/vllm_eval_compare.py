@@ -17,9 +17,10 @@ Each --set NAME=FILE:MAX_NEW_TOKENS[:first] (`first`: every question cut to its 
         /v1/chat/completions request at batch 1, τ from the engine's /metrics counters per category; then a
         server without the draft answers the same prompts: `mismatches` counts the turns whose answers differ)
 and reports τ@K of both, their relative difference (the bar: within 5%), per category. --temperature T adds
-the vLLM side's τ at T over the same turns (`evaluate.temperatures: [0, T]`, exact speculative sampling in the
-engine's rejection sampler, seeded per request) under `vllm.at_temperature`; the HF evaluator's own τ at T needs
-its step-by-step decodes (slow on a GPU at batch 1), so it is left to the workflow's evaluation.
+τ at T over the same turns from both (`evaluate.temperatures: [0, T]`): vLLM's from its rejection sampler
+(seeded per request), the HF evaluator's read off the target's own batched samples (docs/EVALUATION.md), under
+`vllm.at_temperature` and `hf.at_temperature`, with their relative difference. The two sample different
+answers, so they agree within sampling noise, not exactly.
 Each --speed CONCURRENCY:QUESTIONS runs the vLLM backend on the first turns of the first QUESTIONS questions of
 --speed-set with --speed-max-new-tokens, both servers, at that concurrency: tokens/s with and without the draft.
 """
@@ -87,7 +88,8 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
                             str(work / f"hf_{name}.png"),
                             {"k": list(range(1, k + 1)), "max_new_tokens": int(max_new), "sequential_k": [],
                              "device": args.device, "sequential_samples": 0,
-                             "reference_batch_size": args.reference_batch_size})
+                             "reference_batch_size": args.reference_batch_size,
+                             **({"temperatures": [0.0, args.temperature]} if args.temperature else {})})
     v_report = vllm.evaluate(args.draft, target, eval_set, str(work / f"vllm_{name}.json"),
                              str(work / f"vllm_{name}.png"), vllm_params(args, k, int(max_new), 1, args.temperature, args.baseline))
     h, v = hf_report["sets"][name], v_report["sets"][name]
@@ -99,9 +101,14 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
     print(f"{name}: tau@{k} vllm {out['vllm']['tau']:.4f} hf {out['hf']['tau']:.4f} "
           f"({out['relative_difference']:+.1%})", flush=True)
     for key, sampled in v.get("at_temperature", {}).items():
-        out["vllm"].setdefault("at_temperature", {})[key] = {
-            **tau_row(sampled, k), "turns": sampled["turns"], "draft_sample_method": sampled["draft_sample_method"]}
-        print(f"{name}: tau@{k} vllm at T={key} {sampled['k'][str(k)]['mean_acceptance_length']:.4f}", flush=True)
+        hf_sampled = h["at_temperature"][key]
+        for side, report in (("vllm", sampled), ("hf", hf_sampled)):
+            out[side].setdefault("at_temperature", {})[key] = {
+                **tau_row(report, k), "turns": report["turns"], "draft_sample_method": report["draft_sample_method"]}
+        difference = sampled["k"][str(k)]["mean_acceptance_length"] / hf_sampled["k"][str(k)]["mean_acceptance_length"] - 1
+        out.setdefault("at_temperature_relative_difference", {})[key] = difference
+        print(f"{name}: tau@{k} at T={key} vllm {sampled['k'][str(k)]['mean_acceptance_length']:.4f} "
+              f"hf {hf_sampled['k'][str(k)]['mean_acceptance_length']:.4f} ({difference:+.1%})", flush=True)
     return out
 
 

@@ -15,5 +15,5 @@ FORMAT_VERSIONS = {
     "vocab": 1,
     "train": 1,
     "export": 2,  # 2: SGLang's eagle_config ids; the target recorded as configured
-    "evaluate": 1,
+    "evaluate": 2,  # 2: hf at T > 0: tau of every question and k from batched samples; step by step under "sequential"
 }

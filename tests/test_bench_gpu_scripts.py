@@ -147,6 +147,9 @@ def test_eval_compare_smoke_reads_tau_from_both_evaluators(tmp_path):
         sampled = s["vllm"]["at_temperature"]["1.0"]  # the same turns again, sampled, counted apart
         assert sampled["tau"] == pytest.approx(2.0) and sampled["turns"] == s["turns"]["vllm"]
         assert sampled["draft_sample_method"] == "probabilistic"
+        hf_sampled = s["hf"]["at_temperature"]["1.0"]  # the HF evaluator's, read off the target's samples
+        assert 1.0 <= hf_sampled["tau"] <= 4.0 and hf_sampled["turns"] == s["turns"]["hf"]
+        assert s["at_temperature_relative_difference"]["1.0"] == pytest.approx(sampled["tau"] / hf_sampled["tau"] - 1)
         assert 1.0 <= s["hf"]["tau"] <= 4.0
         assert s["relative_difference"] == pytest.approx(s["vllm"]["tau"] / s["hf"]["tau"] - 1)
         assert s["vllm"]["mismatches_vs_target_alone"] == 0

@@ -178,6 +178,56 @@ def test_first_proposals_are_accepted_at_the_rate_their_distributions_give(targe
     assert abs(sum(accepted) / rounds - mean) < 4 * stderr, (sum(accepted) / rounds, mean, rounds)
 
 
+def first_round_distribution(target, draft, k: int, temperature: float, top_p: float, method: str) -> torch.Tensor:
+    """[k+1]: P(the first round after PROMPT accepts a tokens) as the teacher-forced estimator gives it
+    (hf.acceptance_probabilities over the target's samples), exactly: every sample x_1 .. x_k+1 enumerated
+    with its probability under the target's sampling."""
+    from eagle3build.evaluate.hf import acceptance_probabilities
+
+    samples = torch.tensor(list(itertools.product(range(V), repeat=k + 1)), dtype=torch.long)  # [V^(k+1), k+1]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(samples), -1), samples], dim=1)
+    with torch.no_grad():
+        p = probabilities(target(input_ids=ids).logits[:, len(PROMPT) - 1 : -1], temperature, top_p)
+    weight = p.gather(-1, samples[:, :, None])[..., 0].prod(-1)  # P(x_1 .. x_k+1)
+    column = len(PROMPT) - 1  # the round starts from the verified prefix PROMPT + x_1
+    dist = torch.zeros(k + 1, dtype=torch.float64)
+    for row, w in zip(ids.tolist(), weight.tolist(), strict=True):
+        if w == 0:
+            continue
+        r = acceptance_probabilities(target, draft, row, k, temperature, top_p, method)[:, column].double()
+        reach = torch.cat([torch.ones(1, dtype=torch.float64), r.cumprod(0)])  # P(accept >= a | x)
+        dist += w * (reach - torch.cat([reach[1:], torch.zeros(1, dtype=torch.float64)]))
+    return dist
+
+
+@pytest.mark.parametrize("k, temperature, top_p, method, draft_seed, exact", [
+    (2, 1.0, 1.0, "probabilistic", 1, True),
+    (2, 1.0, 0.9, "greedy", 4, True),
+    (2, 1.0, 1.0, "probabilistic", 1, False),  # the sampled rounds read with the greedy rule: must be caught
+])  # fmt: skip
+def test_rounds_read_off_the_targets_samples_are_the_loops_rounds(target, k, temperature, top_p, method, draft_seed,
+                                                                  exact):
+    """τ at T > 0 over every question comes from the target's own samples and one teacher-forced pass
+    (acceptance.sampled_acceptance): the first round's accepted count, exactly as that estimator gives it,
+    matches 600 seeded step-by-step speculative-sampling decodes (chi-square); read with the wrong rule
+    (a proposal accepted when the sample equals the draft's argmax), it does not."""
+    draft = tiny_draft(draft_seed)
+    first = []
+    for run in range(RUNS):
+        rule = rule_for(temperature, top_p, decode_seed(11, run), method, torch.device("cpu"))
+        _, accepted = speculative_generate(target, draft, PROMPT, k, k + 2, set(), rule)
+        first.append(accepted[0])
+    counts = torch.bincount(torch.tensor(first), minlength=k + 1)
+    expected = first_round_distribution(target, draft, k, temperature, top_p, method if exact else "greedy")
+    assert abs(float(expected.sum()) - 1) < 1e-6
+    statistic, p_value = chi_square(counts, expected)
+    if exact:
+        assert 0.1 < counts[0] / RUNS < 0.9  # rejections and acceptances both common
+        assert p_value > 1e-3, (counts.tolist(), (expected * RUNS).tolist(), statistic)
+    else:
+        assert p_value < 1e-8, (counts.tolist(), (expected * RUNS).tolist(), statistic)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the rule's pieces
 
@@ -312,12 +362,18 @@ def test_hf_report_has_the_sampled_rows_beside_the_greedy_ones(tmp_path):
     assert strip(first["sets"]["stories"]["k"]) == strip(plain["sets"]["stories"]["k"])
     sampled = first["sets"]["stories"]["at_temperature"]["1.0"]
     assert strip(sampled) == strip(again["sets"]["stories"]["at_temperature"]["1.0"])  # seeded
-    assert sampled["temperature"] == 1.0 and sampled["turns"] == 3 and list(sampled["k"]) == ["2"]
-    row = sampled["k"]["2"]
+    # every k over every turn, from the target's batched samples
+    assert sampled["temperature"] == 1.0 and sampled["turns"] == 3 and list(sampled["k"]) == ["1", "2"]
+    for k, row in sampled["k"].items():
+        assert row["drafts"] > 0 and 1.0 <= row["mean_acceptance_length"] <= 1 + int(k)
+        assert sum(c["drafts"] for c in row["per_category"].values()) == row["drafts"]
+    # the sequential questions (both here) decoded step by step for the sequential k: timing and the loop's τ
+    loop = sampled["sequential"]
+    assert loop["turns"] == 3 and list(loop["k"]) == ["2"]
+    row = loop["k"]["2"]
     assert row["drafts"] > 0 and 1.0 <= row["mean_acceptance_length"] <= 3.0
-    assert sum(c["drafts"] for c in row["per_category"].values()) == row["drafts"]
     assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and "mismatches" not in row
-    assert sampled["baseline"]["tokens"] > 0
+    assert loop["baseline"]["tokens"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,14 +452,16 @@ def test_the_rule_passes_the_sampling_keys_when_a_temperature_is_above_zero(tmp_
     assert f"'sequential_k': [3], {sampling}" in planned
 
 
-def test_sampled_rows_use_the_sequential_questions_only(tmp_path, monkeypatch):
-    """evaluate.sequential_samples bounds the step-by-step decodes: at T > 0 only N questions of a set,
-    spread over it, are sampled (the greedy rows still cover every question, their decodes batched)."""
+@pytest.mark.parametrize("sequential_samples, stepwise", [(2, [[0, 2]]), (0, [])])
+def test_sampled_rows_cover_every_question_and_step_by_step_only_the_sequential_ones(tmp_path, monkeypatch,
+                                                                                      sequential_samples, stepwise):
+    """At T > 0 τ comes from every question (batched samples); evaluate.sequential_samples bounds the
+    step-by-step decodes to N questions spread over the set (0: none), as it does at T = 0."""
     from types import SimpleNamespace
 
     import eagle3build.evaluate.hf as hf
 
-    sampled, greedy = [], []
+    sampled, greedy, batched = [], [], []
     model = SimpleNamespace(dtype=torch.float32, config=SimpleNamespace(vocab_size=8))
     monkeypatch.setattr(hf, "load_target_tokenizer", lambda target: lambda text, **kw: {"input_ids": [1]})
     monkeypatch.setattr(hf, "load_target_model", lambda target, device: model)
@@ -413,18 +471,12 @@ def test_sampled_rows_use_the_sequential_questions_only(tmp_path, monkeypatch):
     monkeypatch.setattr(hf, "batched_references", lambda target, tok, questions, *a: {"n": len(questions)})
     monkeypatch.setattr(hf, "evaluate_set", lambda *a: greedy.append(len(a[3])) or {"k": {}, "turns": len(a[3])})
     monkeypatch.setattr(hf, "evaluate_sampled_set", lambda *a: sampled.append([q["id"] for q in a[3]]) or {})
+    monkeypatch.setattr(hf, "sampled_acceptance_set", lambda *a: batched.append(len(a[3])) or {"turns": len(a[3])})
     monkeypatch.setattr(hf, "plot", lambda *a: None)
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(f'{{"question_id": {i}, "category": "c", "turns": ["hi {i}"]}}\n' for i in range(5)))
-    hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": str(questions)}], str(tmp_path / "e.json"),
-                str(tmp_path / "e.png"), {"temperatures": [0.0, 1.0], "sequential_samples": 2, "k": [1]})
-    assert greedy == [5] and sampled == [[0, 2]]
-
-
-def test_sampling_with_no_sequential_question_is_refused_before_any_model_loads(tmp_path):
-    """sequential_samples 0 leaves nothing to sample at T > 0: a ConfigError naming the key, not empty rows."""
-    import eagle3build.evaluate.hf as hf
-
-    with pytest.raises(ConfigError, match="evaluate.sequential_samples"):
-        hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": "unused.jsonl"}], str(tmp_path / "e.json"),
-                    str(tmp_path / "e.png"), {"temperatures": [0.0, 1.0], "sequential_samples": 0})
+    report = hf.evaluate("unused", {"path": "unused"}, [{"name": "s", "path": str(questions)}],
+                         str(tmp_path / "e.json"), str(tmp_path / "e.png"),
+                         {"temperatures": [0.0, 1.0], "sequential_samples": sequential_samples, "k": [1]})
+    assert greedy == [5] and batched == [5] and sampled == stepwise
+    assert ("sequential" in report["sets"]["s"]["at_temperature"]["1.0"]) == bool(stepwise)

@@ -20,7 +20,10 @@ from a 1-token decode step, so a rare mismatch there is numerics, not a bug).
 
 At a temperature > 0 (evaluate.temperatures) the same loop samples: the draft samples its proposals and
 the verifier applies the speculative-sampling rule (sampling.Sampled), whose output is distributed as the
-target's own samples. Those decodes run step by step for each sequential k (`evaluate_sampled_set`).
+target's own samples. τ at T comes, like the greedy τ, from one teacher-forced pass per turn over the
+target's own batched sample of it (`sampled_acceptance_set`; acceptance.py says why that is exact), for
+every question and k; the sequential questions are also decoded step by step at T for each sequential k
+(`evaluate_sampled_set`: timing and the loop's own τ).
 
 Metrics follow vLLM's definitions: a draft = one verification of k proposed tokens; mean acceptance
 length tau = 1 + accepted / drafts (the 1 is the bonus token); acceptance rate at position i =
@@ -46,9 +49,9 @@ from eagle3build.config import resolve_section
 from eagle3build.data.chat import load_target_tokenizer
 from eagle3build.data.formats import iter_jsonl
 from eagle3build.errors import ConfigError, UserError
-from eagle3build.evaluate.acceptance import acceptance_for_sequence
+from eagle3build.evaluate.acceptance import acceptance_for_sequence, sample_rounds, sampled_acceptance
 from eagle3build.evaluate.reference import reference_decodes
-from eagle3build.evaluate.sampling import Greedy, Sampled, rule_for
+from eagle3build.evaluate.sampling import Greedy, Sampled, probabilities, rule_for
 from eagle3build.evaluate.settings import decode_seed, sampled_temperatures, temperature_key
 from eagle3build.hf_target import eos_token_ids, load_target_model, resolve_device, target_path
 
@@ -289,6 +292,69 @@ def _simulated_accepts(target, draft, prompt: list[int], extended: list[int], st
     return acceptance_for_sequence(draft, tokens, aux, len(prompt), ks, stop_len)
 
 
+def acceptance_probabilities(target, draft, tokens: list[int], k: int, temperature: float, top_p: float,
+                             draft_sample_method: str) -> torch.Tensor:
+    """acceptance.sampled_acceptance for a target sample `tokens` (prompt + answer): one target forward
+    gives p of every emitted token and the aux states. [k, T] on the CPU."""
+    device = next(target.parameters()).device
+    ids = torch.tensor(tokens, device=device)
+    with torch.inference_mode():
+        out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        p = probabilities(out.logits[0, :-1], temperature, top_p)  # [T-1, V]: the sampler's distribution
+        p_emitted = torch.cat([p.gather(-1, ids[1:, None])[:, 0], p.new_zeros(1)])  # [T]: p(x[j+1]) at j
+        del p
+        aux = _aux_states(draft, out.hidden_states, slice(None))[0]
+        return sampled_acceptance(draft, ids, aux, k, p_emitted, temperature, draft_sample_method).cpu()
+
+
+def sampled_acceptance_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
+                           temperature: float, sampling: dict, batch_size: int) -> dict:
+    """τ at temperature > 0 for every question and every k, without a decode per k: the target samples every
+    turn in batches (reference.py), and each turn's rounds are drawn from the acceptance probabilities of
+    one teacher-forced pass over its sample (acceptance.py). Seeded by evaluate.seed (per batch, and per
+    question, turn and k for the rounds), so a report is reproducible on one device.
+    `sampling`: evaluate.top_p, seed and draft_sample_method."""
+    eos = set(eos_token_ids(target, tokenizer))
+    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
+    room = max_new_tokens + 2 * max(ks) + 2
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    samples = reference_decodes(
+        target, questions,
+        chat_prompt=lambda messages: chat_prompt(tokenizer, messages),
+        answer_text=lambda extended: answer_text(tokenizer, _finish(extended, max_new_tokens, eos), eos),
+        fits=lambda prompt: len(prompt) + room <= max_positions,
+        max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size,
+        sampling={"temperature": temperature, "top_p": sampling["top_p"],
+                  "seed": decode_seed(sampling["seed"], "samples", temperature)},
+    )
+    overall = {k: AcceptanceStats(k) for k in ks}
+    by_category: dict[str, dict[int, AcceptanceStats]] = {}
+    turns_done, turns_skipped = 0, 0
+    for qi, question in enumerate(tqdm(questions, desc=f"acceptance T={temperature}", unit="question",
+                                       disable=None)):
+        category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
+        messages: list[dict] = []
+        for turn_no, user_turn in enumerate(question["turns"]):
+            prompt = ask(tokenizer, messages, user_turn, room, max_positions)
+            if prompt is None:
+                turns_skipped += len(question["turns"]) - turn_no
+                break
+            extended = samples[(qi, turn_no)]
+            answer = _finish(extended, max_new_tokens, eos)
+            r = acceptance_probabilities(target, draft, prompt + extended, max(ks), temperature, sampling["top_p"],
+                                         sampling["draft_sample_method"])
+            for k in ks:
+                generator = torch.Generator().manual_seed(decode_seed(sampling["seed"], qi, turn_no, k, "rounds"))
+                tally(sample_rounds(r, len(prompt), len(prompt) + len(answer), k, generator), overall[k], category[k])
+            messages.append({"role": "assistant", "content": answer_text(tokenizer, answer, eos)})
+            turns_done += 1
+    per_k = {str(k): {**overall[k].summary(),
+                      "per_category": {name: stats[k].summary() for name, stats in sorted(by_category.items())}}
+             for k in ks}
+    return {"temperature": temperature, **sampling, "questions": len(questions), "turns": turns_done,
+            "turns_skipped_too_long": turns_skipped, "k": per_k}
+
+
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of the conversation so far, ready for the assistant's answer."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -459,8 +525,9 @@ def recheck_in_float32(target, draft, mismatched: dict[int, list[list[int]]], ks
 
 def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
                          temperature: float, sampling: dict) -> dict:
-    """Acceptance at temperature > 0: every turn decoded step by step with speculative sampling for each k
-    (sampling.Sampled; the teacher-forced pass of acceptance.py is exact only for greedy decoding).
+    """Acceptance at temperature > 0 on the sequential questions: every turn decoded step by step with
+    speculative sampling for each k (sampling.Sampled): its timing against the target alone, and the loop's
+    own τ beside the one `sampled_acceptance_set` reads off the target's samples of every question.
 
     The target alone samples each turn first (the baseline, and the answer the next turn is asked after,
     so every k sees the same prompts); each decode draws from a generator seeded by decode_seed(seed,
@@ -574,12 +641,6 @@ def evaluate(
     ks = sorted(set(params["k"]))
     temperatures = sampled_temperatures(params)
     sampled_ks = ks if params["sequential_k"] is None else [k for k in params["sequential_k"] if k in ks]
-    if temperatures and not sampled_ks:  # T > 0 decodes the sequential k step by step
-        raise ConfigError("evaluate.sequential_k", f"{params['sequential_k']} has no k of evaluate.k {ks}: "
-                                                   "temperatures > 0 decode those k step by step")
-    if temperatures and params["sequential_samples"] == 0:
-        raise ConfigError("evaluate.sequential_samples", f"0 leaves no question to sample at temperatures "
-                                                         f"{temperatures}; set at least 1, or null for all")
     sampling = {"top_p": float(params["top_p"]), "seed": int(params["seed"]),
                 "draft_sample_method": params["draft_sample_method"]}
     device = resolve_device(params["device"])
@@ -624,14 +685,22 @@ def evaluate(
         )
         log(f"{name}: acceptance of {results['sets'][name]['turns']} turn(s), {len(sequential)} question(s) "
             f"decoded step by step: {time.perf_counter() - start:.0f} s")
-        if temperatures:  # decoded step by step: on the sequential questions only
+        if temperatures:  # every question from the target's batched samples; the sequential ones step by step
             sampled = [questions[qi] for qi in sequential]
             results["sets"][name]["at_temperature"] = {}
             for t in temperatures:
                 start = time.perf_counter()
-                results["sets"][name]["at_temperature"][temperature_key(t)] = evaluate_sampled_set(
-                    model, draft, tokenizer, sampled, sampled_ks, int(params["max_new_tokens"]), t, sampling)
-                log(f"{name}: T={t}, {len(sampled)} question(s): {time.perf_counter() - start:.0f} s")
+                row = sampled_acceptance_set(model, draft, tokenizer, questions, ks, int(params["max_new_tokens"]),
+                                             t, sampling, params["reference_batch_size"])
+                log(f"{name}: T={t}, acceptance of {row['turns']} turn(s) from batched samples: "
+                    f"{time.perf_counter() - start:.0f} s")
+                if sampled and sampled_ks:
+                    start = time.perf_counter()
+                    row["sequential"] = evaluate_sampled_set(
+                        model, draft, tokenizer, sampled, sampled_ks, int(params["max_new_tokens"]), t, sampling)
+                    log(f"{name}: T={t}, {len(sampled)} question(s) step by step: "
+                        f"{time.perf_counter() - start:.0f} s")
+                results["sets"][name]["at_temperature"][temperature_key(t)] = row
     write_json_atomic(out_json, results)
     plot(results, out_png)
     return results

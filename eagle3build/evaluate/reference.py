@@ -8,6 +8,10 @@ batch 1, where their timing is the speed baseline and their output the lossless 
 
 In bf16 a batched and an unbatched decode can part at near-ties of the target's logits; each is the
 target's greedy decode under its own rounding, and acceptance is exact for the decode it is read from.
+
+At a temperature > 0 the same batches sample instead (`sampling`: the target's own sampling at that
+temperature and top-p, nothing else applied), and acceptance is read off those samples
+(acceptance.sampled_acceptance).
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import GenerationConfig
 
 
 @torch.inference_mode()
-def greedy_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad_id: int,
-                 batch_size: int) -> list[list[int]]:
-    """Greedy continuation of every prompt: its tokens up to and including the first end-of-sequence
-    token, at most `max_new_tokens`. Prompts go in batches of `batch_size`, longest first."""
+def decode_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad_id: int,
+                 batch_size: int, sampling: dict | None = None) -> list[list[int]]:
+    """Greedy continuation of every prompt, or with `sampling` ({temperature, top_p, seed}) a sample of it:
+    its tokens up to and including the first end-of-sequence token, at most `max_new_tokens`. Prompts go
+    in batches of `batch_size`, longest first."""
     device = next(target.parameters()).device
     outputs: list[list[int] | None] = [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -33,9 +39,15 @@ def greedy_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set
         for r, i in enumerate(rows):
             ids[r, longest - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[r, longest - len(prompts[i]) :] = 1
+        if sampling is None:
+            how = GenerationConfig(do_sample=False)
+        else:  # the target's distribution at T and top-p, nothing more (no top-k, no penalties)
+            how = GenerationConfig(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                                   top_k=0)
+            torch.manual_seed(sampling["seed"] + start)  # one seed per batch: reproducible on a device
+        how.update(max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=pad_id)
         generated = target.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-            max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=pad_id,
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=how,
         )[:, longest:]  # [B, <= max_new_tokens]
         for r, i in enumerate(rows):
             row = generated[r].tolist()
@@ -47,10 +59,11 @@ def greedy_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set
 def reference_decodes(target, questions: list[dict], chat_prompt: Callable[[list[dict]], list[int]],
                       answer_text: Callable[[list[int]], str], fits: Callable[[list[int]], bool],
                       max_new_tokens: int, eos: set[int], pad_id: int,
-                      batch_size: int) -> dict[tuple[int, int], list[int]]:
-    """{(question index, turn index): the target's greedy decode of that turn}: every question's turns in
-    order, turn n+1 asked after `answer_text` of the question's own decode of turn n. A turn whose prompt
-    does not `fit` ends its question (as in the sequential evaluator)."""
+                      batch_size: int, sampling: dict | None = None) -> dict[tuple[int, int], list[int]]:
+    """{(question index, turn index): the target's greedy decode of that turn (or its sample, see
+    decode_batch)}: every question's turns in order, turn n+1 asked after `answer_text` of the question's
+    own decode of turn n. A turn whose prompt does not `fit` ends its question (as in the sequential
+    evaluator)."""
     decodes: dict[tuple[int, int], list[int]] = {}
     conversations: dict[int, list[dict]] = {qi: [] for qi in range(len(questions))}
     turn = 0
@@ -62,7 +75,8 @@ def reference_decodes(target, questions: list[dict], chat_prompt: Callable[[list
                 prompt = chat_prompt(messages)
                 if fits(prompt):
                     asked[qi] = prompt
-        answers = greedy_batch(target, list(asked.values()), max_new_tokens, eos, pad_id, batch_size)
+        turn_sampling = None if sampling is None else {**sampling, "seed": sampling["seed"] + 7919 * turn}
+        answers = decode_batch(target, list(asked.values()), max_new_tokens, eos, pad_id, batch_size, turn_sampling)
         for qi, extended in zip(asked, answers, strict=True):
             decodes[(qi, turn)] = extended
             conversations[qi].append({"role": "assistant", "content": answer_text(extended)})
