@@ -178,6 +178,21 @@ def test_first_proposals_are_accepted_at_the_rate_their_distributions_give(targe
     assert abs(sum(accepted) / rounds - mean) < 4 * stderr, (sum(accepted) / rounds, mean, rounds)
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_batched_samples_are_the_targets_own_sampling(target, temperature, top_p):
+    """The samples τ at T > 0 is read off (reference.decode_batch) follow the target's distribution at T and
+    top-p, the very p the acceptance probabilities divide by: no top-k or other default of `generate`."""
+    from eagle3build.evaluate.reference import decode_batch
+
+    rows = decode_batch(target, [PROMPT] * RUNS, N_TOKENS, set(), 0, 200,
+                        {"temperature": temperature, "top_p": top_p, "seed": 5})
+    outputs = torch.tensor(rows)
+    marginals = exact_marginals(target, PROMPT, N_TOKENS, temperature, top_p)
+    for i in range(N_TOKENS):
+        statistic, p_value = chi_square(torch.bincount(outputs[:, i], minlength=V), marginals[i])
+        assert p_value > 1e-3, (i, statistic)
+
+
 def first_round_distribution(target, draft, k: int, temperature: float, top_p: float, method: str) -> torch.Tensor:
     """[k+1]: P(the first round after PROMPT accepts a tokens) as the teacher-forced estimator gives it
     (hf.acceptance_probabilities over the target's samples), exactly: every sample x_1 .. x_k+1 enumerated
