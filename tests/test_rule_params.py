@@ -19,8 +19,10 @@ TEMPLATE = str(Path(__file__).parent / "data" / "chat_template.jinja")
 DEMO_TARGET = "models/SmolLM2-135M-Instruct"
 EXPORT = {"speculators": False, "dtype": "bfloat16", "include_embed_tokens": False}
 # The export format changed on purpose (SGLang's eagle_config ids, the target as configured): only export
-# and evaluate rerun. Every other version stays 1.
+# and evaluate rerun. The evaluate report changed on purpose (T > 0 read off the target's samples): only
+# evaluate reruns. Every other version stays 1.
 EXPORT_VERSION = 2
+EVALUATE_VERSION = 2
 
 
 def stories(*keys: str) -> dict:
@@ -42,7 +44,7 @@ def expected_demo() -> dict:
             "target": demo_target("path", "revision", "trust_remote_code", "chat_template", "dtype"),
             "eval_set": {"name": "demo_heldout", "path": "data/demo/eval_questions.jsonl", "max_samples": None},
             "settings": {"k": [1, 2, 3, 4, 5, 6, 7], "max_new_tokens": 48, "max_samples": None, "sequential_k": [3]},
-            "version": 1,
+            "version": EVALUATE_VERSION,
         },
         "export": {"export": EXPORT, "target": demo_target("path", "revision"), "out_dir": "build/export",
                    "version": EXPORT_VERSION},
@@ -90,7 +92,7 @@ def expected_chain_test() -> dict:
             "target": stories("path", "revision", "trust_remote_code", "chat_template", "dtype"),
             "eval_set": {"name": "heldout", "path": str(demo / "eval_questions.jsonl"), "max_samples": 8},
             "settings": {"k": [1, 3, 5], "max_new_tokens": 32, "max_samples": None, "sequential_k": [3]},
-            "version": 1,
+            "version": EVALUATE_VERSION,
         },
         "export": {"export": EXPORT, "target": stories("path", "revision"), "out_dir": "build/export",
                    "version": EXPORT_VERSION},
