@@ -316,17 +316,9 @@ def sampled_acceptance_set(target, draft, tokenizer, questions: list[dict], ks: 
     `sampling`: evaluate.top_p, seed and draft_sample_method."""
     eos = set(eos_token_ids(target, tokenizer))
     max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
-    room = max_new_tokens + 2 * max(ks) + 2
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    samples = reference_decodes(
-        target, questions,
-        chat_prompt=lambda messages: chat_prompt(tokenizer, messages),
-        answer_text=lambda extended: answer_text(tokenizer, _finish(extended, max_new_tokens, eos), eos),
-        fits=lambda prompt: len(prompt) + room <= max_positions,
-        max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size,
-        sampling={"temperature": temperature, "top_p": sampling["top_p"],
-                  "seed": decode_seed(sampling["seed"], "samples", temperature)},
-    )
+    samples = batched_references(target, tokenizer, questions, ks, max_new_tokens, [], batch_size, sampling={
+        "temperature": temperature, "top_p": sampling["top_p"],
+        "seed": decode_seed(sampling["seed"], "samples", temperature)})
     overall = {k: AcceptanceStats(k) for k in ks}
     by_category: dict[str, dict[int, AcceptanceStats]] = {}
     turns_done, turns_skipped = 0, 0
@@ -335,7 +327,7 @@ def sampled_acceptance_set(target, draft, tokenizer, questions: list[dict], ks: 
         category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
         messages: list[dict] = []
         for turn_no, user_turn in enumerate(question["turns"]):
-            prompt = ask(tokenizer, messages, user_turn, room, max_positions)
+            prompt = ask(tokenizer, messages, user_turn, max_new_tokens + 2 * max(ks) + 2, max_positions)
             if prompt is None:
                 turns_skipped += len(question["turns"]) - turn_no
                 break
@@ -370,9 +362,11 @@ def ask(tokenizer, messages: list[dict], user_turn: str, room: int, max_position
 
 
 def batched_references(target, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
-                       sequential: list[int], batch_size: int) -> dict[tuple[int, int], list[int]]:
-    """The greedy decodes of the questions whose indices are not in `sequential` (reference.py), keyed by
-    (index in `questions`, turn)."""
+                       sequential: list[int], batch_size: int,
+                       sampling: dict | None = None) -> dict[tuple[int, int], list[int]]:
+    """The greedy decodes of the questions whose indices are not in `sequential` (reference.py), or with
+    `sampling` ({temperature, top_p, seed}) the target's samples of them, keyed by (index in `questions`,
+    turn)."""
     skip = set(sequential)
     others = [qi for qi in range(len(questions)) if qi not in skip]
     eos = set(eos_token_ids(target, tokenizer))
@@ -383,7 +377,7 @@ def batched_references(target, tokenizer, questions: list[dict], ks: list[int], 
         chat_prompt=lambda messages: chat_prompt(tokenizer, messages),
         answer_text=lambda extended: answer_text(tokenizer, _finish(extended, max_new_tokens, eos), eos),
         fits=lambda prompt: len(prompt) + max_new_tokens + 2 * max(ks) + 2 <= max_positions,
-        max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size,
+        max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size, sampling=sampling,
     )
     return {(others[qi], turn): decode for (qi, turn), decode in decodes.items()}
 
