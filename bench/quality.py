@@ -2,7 +2,7 @@
 config per variant, in one table (BENCHMARKS.md §3).
 
     python3 bench/quality.py --serve-regeneration --free-hidden --out bench/results/quality_smollm2.json
-    python3 bench/quality.py --variants eagle3 fp8             # some variants (eagle3, the base, always runs)
+    python3 bench/quality.py --variants eagle3 plain           # some variants (eagle3, the base, always runs)
     python3 bench/quality.py --variants eagle3 tv nla --parallel 3   # three at once, after the shared stages
     python3 bench/quality.py --configs-only                    # write the variants' configs, print their commands
     python3 bench/quality.py --table bench/results/quality_smollm2.json      # print a results file's tables
@@ -15,14 +15,14 @@ by `make run CONFIG=<root>/configs/<name>.yaml`: the benchmark measures what a u
 
 Sharing. Before its run a variant's output root gets hard links to the base's outputs of every stage that
 reads no config section the override changes (STAGES): a head or loss variant (train.*) links data, regen,
-tokens, hidden and vocab, and runs train, export and evaluate; fp8 and final_only (extract.*) link data, regen,
+tokens, hidden and vocab, and runs train, export and evaluate; bf16 and final_only (extract.*) link data, regen,
 tokens and vocab; an evaluate.* override would link everything up to the export; original (datasets) links
 nothing. The T = 1 rows come with every variant: the base config measures evaluate.temperatures [0, 1]. Links cost
 no disk. Snakemake keeps no record for a linked file, so it takes it as current (it is: its stage's inputs and
 config are the base's, which built it), and a job that does run writes new files in place of the links (the
 stages write through a temporary file and a rename), so the base's stay intact. A variant that changes the
-extraction stores its own hidden states: fp8 half the base's (~23 GB for this recipe's 10M tokens), final_only
-as much (~46 GB). --free-hidden deletes each hidden-state folder, with its links, after the last variant that
+extraction stores its own hidden states: bf16 twice the base's fp8 (~46 GB for this recipe's 10M tokens), final_only
+as much as the base (~23 GB). --free-hidden deletes each hidden-state folder, with its links, after the last variant that
 trains on it (a later run of those variants extracts and trains again). When the base's outputs change, run this again:
 it links the new files, and Snakemake rebuilds what follows them in each variant.
 
@@ -80,9 +80,9 @@ SHARED = ROOT.parent / "shared"
 BASE_CONFIG = ROOT / "configs" / "smollm2-gpu.yaml"
 ABLATIONS = ROOT / "configs" / "ablations"
 BASE = "eagle3"  # the base config's own variant: the reference row, and the outputs the others link
-VARIANTS = [BASE, "norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "frozen_lm_head", "steps_8000",
-            "fp8", "final_only", "original"]
-SMOKE_VARIANTS = [BASE, "fp8"]
+VARIANTS = [BASE, "plain", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "frozen_lm_head", "steps_8000",
+            "bf16", "final_only", "original"]
+SMOKE_VARIANTS = [BASE, "bf16"]
 VLLM_EXECUTABLE = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 # The workflow's stage folders under an output root: the config sections each one's jobs read, and the stage
 # folders they read (every stage also reads `target`). A change of any other section shares nothing.
@@ -377,7 +377,7 @@ def tables(variants: dict) -> str:
 
 
 def override_keys(override: dict, prefix: str = "") -> list[str]:
-    """The dotted keys an override sets (its output_root aside): 'extract.storage_dtype=fp8'."""
+    """The dotted keys an override sets (its output_root aside): 'extract.storage_dtype=bf16'."""
     keys = []
     for key, value in override.items():
         if not prefix and key == "output_root":
@@ -415,7 +415,7 @@ def smoke_base() -> dict:
                        "concurrency": 4},
         "prepare": {"max_length": 128, "shard_size": 8},
         # the HF backend: the workflow's preflight refuses the vLLM backend where vLLM is not installed
-        "extract": {"backend": "hf", "storage_dtype": "bf16", "batch_tokens": 4096, "server_idle_s": 30},
+        "extract": {"backend": "hf", "storage_dtype": "fp8", "batch_tokens": 4096, "server_idle_s": 30},
         "vocab": {"draft_vocab_size": 64},
         "train": {"epochs": 1, "max_steps": 2, "batch_tokens": 512, "ttt_steps": 2, "gpus": 0},
         "evaluate": {"sets": [{"name": "demo_heldout", "path": str(demo / "eval_questions.jsonl")}], "k": [1, 3],

@@ -39,11 +39,11 @@ def test_every_variant_is_a_valid_config_with_its_own_output_root(name):
 def test_each_variant_shares_exactly_the_stages_its_override_leaves_alone():
     shared = {name: quality.shared_stages(BASE, variant(name)) for name in quality.VARIANTS}
     upstream = ["data", "regen", "tokens"]
-    for head in ("norm_before_fc", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "frozen_lm_head", "steps_8000"):
+    for head in ("plain", "fc_norm", "norm_output", "tv", "nla", "lk_hybrid", "frozen_lm_head", "steps_8000"):
         assert shared[head] == [*upstream, "hidden", "vocab"], head  # trains, exports and evaluates anew
     evaluate_only = quality.merged(BASE, {"evaluate": {"max_new_tokens": 64}})
     assert quality.shared_stages(BASE, evaluate_only) == [*upstream, "hidden", "vocab", "train", "export"]
-    assert shared["fp8"] == [*upstream, "vocab"]  # extracts its own states
+    assert shared["bf16"] == [*upstream, "vocab"]  # extracts its own states
     assert shared["final_only"] == [*upstream, "vocab"]
     assert shared["original"] == []  # other datasets: nothing is the base's
     assert shared[quality.BASE] == list(quality.STAGES)
@@ -51,7 +51,11 @@ def test_each_variant_shares_exactly_the_stages_its_override_leaves_alone():
 
 
 def test_overrides_change_what_their_names_say():
-    assert variant("fp8")["extract"] == {**BASE["extract"], "storage_dtype": "fp8"}
+    assert BASE["extract"]["storage_dtype"] == "fp8" and BASE["train"]["norm_before_fc"]  # the recipe's winners
+    assert variant("bf16")["extract"] == {**BASE["extract"], "storage_dtype": "bf16"}
+    assert variant("plain")["train"] == {**BASE["train"], "norm_before_fc": False}
+    assert variant("fc_norm")["train"]["fc_norm"] and not variant("fc_norm")["train"]["norm_before_fc"]  # one or the other
+    assert variant("norm_output")["train"]["norm_before_fc"]  # on top of the recipe's head
     final = variant("final_only")["extract"]
     assert final["backend"] == "hf" and len(set(final["aux_layer_ids"])) == 1  # vLLM cannot repeat a layer
     assert variant("norm_output")["evaluate"] == BASE["evaluate"]  # mappings merge key by key
@@ -77,17 +81,17 @@ def test_link_tree_links_and_a_rebuilt_link_leaves_the_base_intact(tmp_path):
 
 
 def test_free_hidden_waits_for_the_last_variant_that_trains_on_a_set(tmp_path):
-    shared = {"eagle3": list(quality.STAGES), "tv": ["data", "hidden"], "fp8": ["data"]}
+    shared = {"eagle3": list(quality.STAGES), "tv": ["data", "hidden"], "bf16": ["data"]}
     roots = {n: tmp_path / n for n in shared}
     for n in shared:
         (roots[n] / "hidden").mkdir(parents=True)
-    quality.free_hidden(["eagle3"], ["tv", "fp8"], shared, roots)
+    quality.free_hidden(["eagle3"], ["tv", "bf16"], shared, roots)
     assert all((roots[n] / "hidden").is_dir() for n in shared)  # tv still trains on the base's
-    quality.free_hidden(["eagle3", "tv"], ["fp8"], shared, roots)
+    quality.free_hidden(["eagle3", "tv"], ["bf16"], shared, roots)
     assert not (roots["eagle3"] / "hidden").exists() and not (roots["tv"] / "hidden").exists()
-    assert (roots["fp8"] / "hidden").is_dir()
-    quality.free_hidden(["eagle3", "tv", "fp8"], [], shared, roots)
-    assert not (roots["fp8"] / "hidden").exists()
+    assert (roots["bf16"] / "hidden").is_dir()
+    quality.free_hidden(["eagle3", "tv", "bf16"], [], shared, roots)
+    assert not (roots["bf16"] / "hidden").exists()
 
 
 def test_serve_args_take_the_engine_flags_as_one_string():
@@ -139,12 +143,12 @@ def test_summary_and_table_carry_tau_per_k_category_and_temperature():
 
 def test_configs_only_writes_configs_make_can_run(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir",
-                          str(tmp_path), "--root", "q", "--variants", "fp8", "tv"],
+                          str(tmp_path), "--root", "q", "--variants", "bf16", "tv"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "make run CONFIG=q/configs/fp8.yaml" in out and "links the base's: data, regen, tokens, vocab" in out
-    fp8 = yaml.safe_load((tmp_path / "q" / "configs" / "fp8.yaml").read_text())
-    assert fp8["output_root"] == "q/fp8" and fp8["extract"]["storage_dtype"] == "fp8"
-    assert fp8["datasets"] == BASE["datasets"]
+    assert "make run CONFIG=q/configs/bf16.yaml" in out and "links the base's: data, regen, tokens, vocab" in out
+    bf16 = yaml.safe_load((tmp_path / "q" / "configs" / "bf16.yaml").read_text())
+    assert bf16["output_root"] == "q/bf16" and bf16["extract"]["storage_dtype"] == "bf16"
+    assert bf16["datasets"] == BASE["datasets"]
     assert yaml.safe_load((tmp_path / "q" / "configs" / "eagle3.yaml").read_text())["output_root"] == "q/eagle3"
 
 
@@ -156,21 +160,21 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
     shutil.copy2(ROOT / "Makefile", wd / "Makefile")
     cmd = [sys.executable, str(ROOT / "bench" / "quality.py"), "--smoke", "--workdir", str(wd), "--root", "q",
            "--out", str(tmp_path / "quality_smollm2.json")]
-    # the base builds what fp8 shares, then the two build side by side
+    # the base builds what bf16 shares, then the two build side by side
     proc = subprocess.run([*cmd, "--parallel", "2"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
-    base, fp8 = run["variants"]["eagle3"], run["variants"]["fp8"]
+    base, bf16 = run["variants"]["eagle3"], run["variants"]["bf16"]
     assert base["jobs"]["regenerate"] == 2 and base["jobs"]["train"] == 1  # the fake server answered
-    # fp8 extracts its own states and trains on them; the data, answers, tokens and vocabulary are the base's
-    assert fp8["jobs"] == {"extract": 2, "train": 1, "export": 1, "evaluate": 1}
-    assert fp8["shared_from_base"] == ["data", "regen", "tokens", "vocab"]
-    for v in (base, fp8):
+    # bf16 extracts its own states and trains on them; the data, answers, tokens and vocabulary are the base's
+    assert bf16["jobs"] == {"extract": 2, "train": 1, "export": 1, "evaluate": 1}
+    assert bf16["shared_from_base"] == ["data", "regen", "tokens", "vocab"]
+    for v in (base, bf16):
         tau = v["sets"]["demo_heldout"]["tau"]
         assert set(tau) == {"1", "3"} and all(1.0 <= t <= 4.0 for t in tau.values())
-    assert "| fp8 | `extract.storage_dtype=fp8` |" in proc.stdout
-    assert "[eagle3] " in proc.stdout and "[fp8] " in proc.stdout  # each build's lines marked
-    assert "eagle3: make run CONFIG=q/configs/eagle3.yaml SMK_ARGS='--until vocab'" in proc.stdout  # fp8's last shared
+    assert "| bf16 | `extract.storage_dtype=bf16` |" in proc.stdout
+    assert "[eagle3] " in proc.stdout and "[bf16] " in proc.stdout  # each build's lines marked
+    assert "eagle3: make run CONFIG=q/configs/eagle3.yaml SMK_ARGS='--until vocab'" in proc.stdout  # bf16's last shared
     # the server is gone and a second run, one variant at a time, plans nothing anywhere
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-4000:]
@@ -210,16 +214,16 @@ def test_a_failed_or_cut_off_run_keeps_the_variants_that_finished(tmp_path, monk
     monkeypatch.setattr(quality, "build_variant", build_variant)
     monkeypatch.setattr(quality, "read_reports", read_reports)
     out = tmp_path / "quality_smollm2.json"
-    argv = ["--variants", "eagle3", "tv", "fp8", "--parallel", str(parallel), "--root", "build-q",
+    argv = ["--variants", "eagle3", "tv", "bf16", "--parallel", str(parallel), "--root", "build-q",
             "--workdir", str(tmp_path), "--out", str(out)]
     with pytest.raises(SystemExit) as e:
         quality.main(argv)
     assert "variants failed: tv" in str(e.value)
     saved = json.loads((tmp_path / "build-q" / "quality.json").read_text())
-    if parallel == 1:  # one at a time: the base ran, tv failed, fp8 (after it) never started
+    if parallel == 1:  # one at a time: the base ran, tv failed, bf16 (after it) never started
         assert list(saved["variants"]) == ["eagle3"] and seen == [{}]
     else:
-        assert set(saved["variants"]) == {"eagle3", "fp8"}
+        assert set(saved["variants"]) == {"eagle3", "bf16"}
     assert "CUDA out of memory" in saved["failed"]["tv"]
     recorded = json.loads(out.read_text())["runs"][0]
     assert recorded["variants"].keys() == saved["variants"].keys() and "tv" in recorded["failed"]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors import safe_open
 from standins.kimi import write_target
 from workflow_util import ROOT, copy_workflow, snakemake, write_config
 
@@ -120,6 +121,12 @@ def test_every_stage_ran(kimi_run):
                                                                                        "00001.safetensors"]
     assert (out / "vocab" / "mapping.safetensors").is_file()
     assert (out / "export" / "eagle3" / "model.safetensors").is_file()
+    # the EAGLE-3.1 head the config asks for, under the key and weight name vLLM loads
+    exported = json.loads((out / "export" / "eagle3" / "config.json").read_text())
+    assert kimi_run["kimi"]["train"]["norm_before_fc"] and exported["norm_before_fc"] is True
+    hidden = json.loads((kimi_run["model"] / "config.json").read_text())["hidden_size"]
+    with safe_open(str(out / "export" / "eagle3" / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("input_norm.weight").get_shape() == [3 * hidden]
     # training released the devices the idle extraction server held (a TP-8 vLLM server keeps ~90% of
     # every GPU until its idle timeout): nothing of extraction runs any more
     assert "train: stopped 1 extraction server(s)" in (out / "logs" / "train.log").read_text()

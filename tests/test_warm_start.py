@@ -174,6 +174,21 @@ def test_heads_that_do_not_fit_are_refused_naming_the_key_and_the_fix(head, tmp_
     expect_refusal(build_draft(head), tmp_path / "missing", "no config.json or model.safetensors")
 
 
+def test_a_plain_head_is_refused_by_a_variant_build_even_where_its_config_omits_the_switch(head, tmp_path):
+    """A head published without the variant keys is the plain head as vLLM serves it: a norm_before_fc build
+    (configs/kimi-k2.5.yaml's) must not put a fresh norm in front of its fc."""
+    def foreign(config):
+        del config["eagle3build"]
+        for key in DraftConfig.VARIANTS:
+            config.pop(key, None)
+
+    plain = copy_head(head, tmp_path / "plain", foreign)
+    expect_refusal(build_draft(head, norm_before_fc=True), plain, "norm_before_fc False != True",
+                   "set train.norm_before_fc: false")  # fmt: skip
+    expect_refusal(build_draft(head, norm_output=True), head["eagle3"], "set train.norm_output: false")
+    warm_start(build_draft(head), str(plain))  # the plain build takes it
+
+
 def test_a_head_of_another_mapping_has_its_rows_moved_by_token(head, tmp_path):
     """This build keeps target ids 8..71, the head 0..63: the 56 shared tokens take the head's rows, the
     8 new ones keep the target's lm_head rows (init_lm_head_from_target)."""

@@ -6,8 +6,10 @@ names, `d2t`/`t2d`, optional `embed_tokens`), read by draft.export.read_exported
 is copied it must fit this build, else a ConfigError names train.init_from, what differs and the key
 that would make it fit:
 - shapes: hidden size, heads, kv heads, head dim, intermediate size, the target's hidden size and
-  vocabulary, the draft vocabulary size; the draft's RoPE base and its variant switches
-  (norm_before_residual, norm_before_fc, fc_norm, norm_output) where the head's config states them; the aux layers it was trained on (the target's layers feeding `fc`);
+  vocabulary, the draft vocabulary size; the draft's RoPE base; its variant switches
+  (norm_before_residual, norm_before_fc, fc_norm, norm_output), a key its config.json lacks read as off,
+  as vLLM reads it (a plain head published before the switches existed is plain); the aux layers it was
+  trained on (the target's layers feeding `fc`);
 - the vocabulary mapping: a head trained with this build's d2t is copied as it is. One trained with
   another mapping of the same size has its lm_head rows moved to this build's draft ids by target
   token id; rows for tokens the head never predicted keep this build's initialisation (the target's
@@ -101,7 +103,7 @@ def shape_problems(head, ours, head_json: dict) -> list[str]:
         )
     for key in type(ours).VARIANTS:  # the head variants (norms): a head trained with one runs only with it
         theirs, mine = bool(getattr(head, key)), bool(getattr(ours, key))
-        if key in stated and theirs != mine:
+        if theirs != mine:
             problems.append(f"{key} {theirs} != {mine} (set train.{key}: {str(theirs).lower()})")
     aux = _aux_ids(head_json)
     if aux is not None and list(aux) != list(ours.aux_layer_ids):
