@@ -120,6 +120,14 @@ def merged(base: dict, override: dict) -> dict:
     return config
 
 
+def base_config(paths: list[Path]) -> dict:
+    """The base config: the files merged in order (a recipe and overrides of it, as `make run CONFIG="A B"`)."""
+    config: dict = {}
+    for path in paths:
+        config = merged(config, yaml.safe_load(path.read_text()) or {})
+    return config
+
+
 def override_of(name: str) -> dict:
     """The variant's override (configs/ablations/<name>.yaml); the base's is empty."""
     if name == BASE:
@@ -158,9 +166,9 @@ def safe_path(path: Path) -> str:
     return text
 
 
-def write_config(config: dict, path: Path, name: str) -> None:
+def write_config(config: dict, path: Path, name: str, base: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# Variant '{name}' of bench/quality.py: {BASE_CONFIG.name} with configs/ablations/{name}.yaml "
+    header = (f"# Variant '{name}' of bench/quality.py: {base} with configs/ablations/{name}.yaml "
               "merged over it (written by the script; edit those instead).\n")
     path.write_text(header + yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
@@ -427,7 +435,7 @@ def smoke_base() -> dict:
 # ---------------------------------------------------------------- the run
 def plan(args) -> tuple[dict, dict, dict]:
     """Per variant: its override, its merged config (output_root <root>/<name>), the stages it shares."""
-    base = smoke_base() if args.smoke else yaml.safe_load(args.base.read_text())
+    base = smoke_base() if args.smoke else base_config(args.base)
     names = [BASE] + [n for n in args.variants if n != BASE]
     overrides = {n: override_of(n) for n in names}
     configs, shared = {}, {}
@@ -462,7 +470,8 @@ def run(args, done: Callable[[dict, dict], None] = lambda results, failed: None)
     roots = {n: args.workdir / c["output_root"] for n, c in configs.items()}
     paths = {n: args.root / "configs" / f"{n}.yaml" for n in configs}
     for name, config in configs.items():
-        write_config(config, args.workdir / paths[name], name)
+        write_config(config, args.workdir / paths[name], name,
+                     "the smoke base" if args.smoke else " + ".join(p.name for p in args.base))
     if args.configs_only:
         for name in configs:
             links = ", ".join(shared[name]) if name != BASE else "-"
@@ -574,7 +583,9 @@ def print_table(path: Path, device: str | None) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, default=BASE_CONFIG, help="the base config (default %(default)s)")
+    p.add_argument("--base", type=Path, nargs="+", default=[BASE_CONFIG],
+                   help="the base config, or several merged in order as Snakemake merges --configfile (e.g. "
+                        "configs/smollm2-gpu.yaml configs/smollm2-gpu-short.yaml; default %(default)s)")
     p.add_argument("--variants", nargs="+", default=None, help=f"default: all ({' '.join(VARIANTS)}); "
                    f"with --smoke: {' '.join(SMOKE_VARIANTS)}")
     p.add_argument("--root", type=Path, default=None,
@@ -622,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def results_file(variants: dict, failed: dict) -> dict:
         """<root>/quality.json with the variants finished so far (and those that failed, with why)."""
-        result = {"date": started, "base_config": "smoke" if args.smoke else str(args.base), "smoke": args.smoke,
+        result = {"date": started, "base_config": "smoke" if args.smoke else " ".join(map(str, args.base)),
+                  "smoke": args.smoke,
                   "wall_s": round(time.perf_counter() - t0, 1), "variants": variants}
         if failed:
             result["failed"] = failed

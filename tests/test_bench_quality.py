@@ -64,6 +64,25 @@ def test_overrides_change_what_their_names_say():
     assert variant("lk_hybrid")["train"] == {**BASE["train"], "loss": "lk_hybrid"}
 
 
+def test_the_short_recipe_is_the_full_one_with_less_data_steps_and_evaluation():
+    """configs/smollm2-gpu-short.yaml (the ablation recipe) merged over the base: a valid config whose datasets
+    are the base's greedy pass and first sampled pass, and every variant shares with it what it shares with
+    the full recipe."""
+    from snakemake.utils import validate
+
+    short = quality.base_config([quality.BASE_CONFIG, ROOT / "configs" / "smollm2-gpu-short.yaml"])
+    validate_config(json.loads(json.dumps(short)), validate)  # (validation fills in the schema's defaults)
+    assert [d["name"] for d in short["datasets"]] == [
+        d["name"] for d in BASE["datasets"] if "." not in d["name"] or d["name"].endswith(".s1")]
+    assert all(d in BASE["datasets"] for d in short["datasets"]) and len(short["datasets"]) == 14
+    assert short["train"] == {**BASE["train"], "max_steps": 1500}
+    assert [s["name"] for s in short["evaluate"]["sets"]] == ["mt_bench"]
+    assert short["extract"] == BASE["extract"] and short["regenerate"] == BASE["regenerate"]
+    for name in quality.VARIANTS:
+        full = quality.shared_stages(BASE, variant(name))
+        assert quality.shared_stages(short, quality.merged(short, quality.override_of(name))) == full, name
+
+
 def test_link_tree_links_and_a_rebuilt_link_leaves_the_base_intact(tmp_path):
     base, var = tmp_path / "base" / "tokens", tmp_path / "var" / "tokens"
     (base / "ds").mkdir(parents=True)
@@ -150,6 +169,15 @@ def test_configs_only_writes_configs_make_can_run(tmp_path):
     assert bf16["output_root"] == "q/bf16" and bf16["extract"]["storage_dtype"] == "bf16"
     assert bf16["datasets"] == BASE["datasets"]
     assert yaml.safe_load((tmp_path / "q" / "configs" / "eagle3.yaml").read_text())["output_root"] == "q/eagle3"
+    # a base of several files, merged in order: the short recipe's plain head
+    short = str(ROOT / "configs" / "smollm2-gpu-short.yaml")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir", str(tmp_path),
+                    "--root", "s", "--base", str(quality.BASE_CONFIG), short, "--variants", "plain"],
+                   capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    text = (tmp_path / "s" / "configs" / "plain.yaml").read_text()
+    plain = yaml.safe_load(text)
+    assert len(plain["datasets"]) == 14 and plain["train"]["max_steps"] == 1500
+    assert plain["train"]["norm_before_fc"] is False and "smollm2-gpu.yaml + smollm2-gpu-short.yaml" in text
 
 
 @pytest.mark.slow  # two workflow builds of ~11 and ~6 jobs, side by side: about 100 s on 2 cores
