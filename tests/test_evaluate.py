@@ -235,6 +235,7 @@ def test_too_long_prompts_are_skipped_with_their_later_turns(stories, tokenizer)
     result = evaluate_set(stories, random_draft(), tokenizer, questions, [2], 16)
     assert result["turns"] == 0 and result["turns_skipped_too_long"] == 2
     assert result["k"]["2"]["drafts"] == 0 and result["k"]["2"]["mean_acceptance_length"] == 1.0
+    assert result["k"]["2"]["per_category"] == {}  # no row of τ 1.0 for a category nothing was measured in
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -100,6 +100,26 @@ class AcceptanceStats:
         }
 
 
+class Tally:
+    """The counters of one evaluation: AcceptanceStats for each k, overall and per question category."""
+
+    def __init__(self, ks: list[int]):
+        self.ks = list(ks)
+        self.overall = {k: AcceptanceStats(k) for k in self.ks}
+        self.by_category: dict[str, dict[int, AcceptanceStats]] = {}
+
+    def add(self, category: str, k: int, accepts: list[int]) -> None:
+        """One decode's accepted-per-round at draft length k."""
+        stats = self.by_category.setdefault(category, {j: AcceptanceStats(j) for j in self.ks})
+        for accepted in accepts:
+            self.overall[k].add(accepted)
+            stats[k].add(accepted)
+
+    def row(self, k: int) -> dict:
+        return {**self.overall[k].summary(),
+                "per_category": {name: stats[k].summary() for name, stats in sorted(self.by_category.items())}}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Decoding loops
 
@@ -314,37 +334,23 @@ def sampled_acceptance_set(target, draft, tokenizer, questions: list[dict], ks: 
     one teacher-forced pass over its sample (acceptance.py). Seeded by evaluate.seed (per batch, and per
     question, turn and k for the rounds), so a report is reproducible on one device.
     `sampling`: evaluate.top_p, seed and draft_sample_method."""
-    eos = set(eos_token_ids(target, tokenizer))
-    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
     samples = batched_references(target, tokenizer, questions, ks, max_new_tokens, [], batch_size, sampling={
         "temperature": temperature, "top_p": sampling["top_p"],
         "seed": decode_seed(sampling["seed"], "samples", temperature)})
-    overall = {k: AcceptanceStats(k) for k in ks}
-    by_category: dict[str, dict[int, AcceptanceStats]] = {}
-    turns_done, turns_skipped = 0, 0
-    for qi, question in enumerate(tqdm(questions, desc=f"acceptance T={temperature}", unit="question",
-                                       disable=None)):
-        category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
-        messages: list[dict] = []
-        for turn_no, user_turn in enumerate(question["turns"]):
-            prompt = ask(tokenizer, messages, user_turn, max_new_tokens + 2 * max(ks) + 2, max_positions)
-            if prompt is None:
-                turns_skipped += len(question["turns"]) - turn_no
-                break
-            extended = samples[(qi, turn_no)]
-            answer = _finish(extended, max_new_tokens, eos)
-            r = acceptance_probabilities(target, draft, prompt + extended, max(ks), temperature, sampling["top_p"],
-                                         sampling["draft_sample_method"])
-            for k in ks:
-                generator = torch.Generator().manual_seed(decode_seed(sampling["seed"], qi, turn_no, k, "rounds"))
-                tally(sample_rounds(r, len(prompt), len(prompt) + len(answer), k, generator), overall[k], category[k])
-            messages.append({"role": "assistant", "content": answer_text(tokenizer, answer, eos)})
-            turns_done += 1
-    per_k = {str(k): {**overall[k].summary(),
-                      "per_category": {name: stats[k].summary() for name, stats in sorted(by_category.items())}}
-             for k in ks}
-    return {"temperature": temperature, **sampling, "questions": len(questions), "turns": turns_done,
-            "turns_skipped_too_long": turns_skipped, "k": per_k}
+    conversations = Conversations(target, tokenizer, questions, ks, max_new_tokens, f"acceptance T={temperature}")
+    tally = Tally(ks)
+    for turn in conversations:
+        extended = samples[(turn.question, turn.number)]
+        turn.answer = _finish(extended, max_new_tokens, conversations.eos)
+        r = acceptance_probabilities(target, draft, turn.prompt + extended, max(ks), temperature, sampling["top_p"],
+                                     sampling["draft_sample_method"])
+        start, stop = len(turn.prompt), len(turn.prompt) + len(turn.answer)
+        for k in ks:
+            generator = torch.Generator().manual_seed(
+                decode_seed(sampling["seed"], turn.question, turn.number, k, "rounds"))
+            tally.add(turn.category, k, sample_rounds(r, start, stop, k, generator))
+    return {"temperature": temperature, **sampling, "questions": len(questions), "turns": conversations.done,
+            "turns_skipped_too_long": conversations.skipped, "k": {str(k): tally.row(k) for k in ks}}
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -361,6 +367,51 @@ def ask(tokenizer, messages: list[dict], user_turn: str, room: int, max_position
     return None if len(prompt) + room > max_positions else prompt
 
 
+def turn_room(max_new_tokens: int, ks: list[int]) -> int:
+    """Positions a turn needs after its prompt: the answer, a last round's drafts and the verifier's run on."""
+    return max_new_tokens + 2 * max(ks) + 2
+
+
+def max_positions(target) -> int:
+    return getattr(target.config, "max_position_embeddings", None) or 1 << 62
+
+
+@dataclass
+class Turn:
+    question: int  # index of the question in its set
+    number: int  # the turn's number in the question
+    category: str
+    prompt: list[int]  # the conversation so far, ready for the assistant's answer
+    answer: list[int] | None = None  # set by the evaluator: the next turn is asked after it
+
+
+class Conversations:
+    """An eval set's turns as the HF evaluators ask them: turn n after the answer the evaluator gave turn n-1
+    (it sets `Turn.answer` before asking for the next). A turn whose prompt leaves less than turn_room of
+    the target's positions ends its question, since later turns need its answer (counted in `skipped`)."""
+
+    def __init__(self, target, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int, desc: str):
+        self.tokenizer, self.questions, self.desc = tokenizer, questions, desc
+        self.eos = set(eos_token_ids(target, tokenizer))
+        self.room, self.max_positions = turn_room(max_new_tokens, ks), max_positions(target)
+        self.done = self.skipped = 0
+
+    def __iter__(self):
+        for qi, question in enumerate(tqdm(self.questions, desc=self.desc, unit="question", disable=None)):
+            messages: list[dict] = []
+            for number, user_turn in enumerate(question["turns"]):
+                prompt = ask(self.tokenizer, messages, user_turn, self.room, self.max_positions)
+                if prompt is None:
+                    self.skipped += len(question["turns"]) - number
+                    break
+                turn = Turn(qi, number, question["category"], prompt)
+                yield turn
+                if turn.answer is None:
+                    raise RuntimeError("Conversations: set Turn.answer before asking for the next turn")
+                messages.append({"role": "assistant", "content": answer_text(self.tokenizer, turn.answer, self.eos)})
+                self.done += 1
+
+
 def batched_references(target, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
                        sequential: list[int], batch_size: int,
                        sampling: dict | None = None) -> dict[tuple[int, int], list[int]]:
@@ -370,13 +421,13 @@ def batched_references(target, tokenizer, questions: list[dict], ks: list[int], 
     skip = set(sequential)
     others = [qi for qi in range(len(questions)) if qi not in skip]
     eos = set(eos_token_ids(target, tokenizer))
-    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
+    room, positions = turn_room(max_new_tokens, ks), max_positions(target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     decodes = reference_decodes(
         target, [questions[qi] for qi in others],
         chat_prompt=lambda messages: chat_prompt(tokenizer, messages),
         answer_text=lambda extended: answer_text(tokenizer, _finish(extended, max_new_tokens, eos), eos),
-        fits=lambda prompt: len(prompt) + max_new_tokens + 2 * max(ks) + 2 <= max_positions,
+        fits=lambda prompt: len(prompt) + room <= positions,
         max_new_tokens=max_new_tokens + max(ks) + 1, eos=eos, pad_id=pad, batch_size=batch_size, sampling=sampling,
     )
     return {(others[qi], turn): decode for (qi, turn), decode in decodes.items()}
@@ -385,13 +436,6 @@ def batched_references(target, tokenizer, questions: list[dict], ks: list[int], 
 def answer_text(tokenizer, reference: list[int], eos: set[int]) -> str:
     """The answer a turn's decode gives the conversation (the next turn is asked after it)."""
     return tokenizer.decode([t for t in reference if t not in eos], skip_special_tokens=True)
-
-
-def tally(accepts: list[int], *stats: AcceptanceStats) -> None:
-    """Count one decode's accepted-per-round into each of `stats` (overall, per category)."""
-    for accepted in accepts:
-        for acceptance in stats:
-            acceptance.add(accepted)
 
 
 def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int], max_new_tokens: int,
@@ -410,57 +454,48 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
     the weights in float32 (`float32_recheck`): a mismatch that remains there is the loop's, not rounding's.
     """
     device = next(target.parameters()).device
-    eos = set(eos_token_ids(target, tokenizer))
     sequential_ks = list(ks) if sequential_ks is None else [k for k in sequential_ks if k in ks]
-    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
-    overall = {k: AcceptanceStats(k) for k in ks}
-    by_category: dict[str, dict[int, AcceptanceStats]] = {}
+    conversations = Conversations(target, tokenizer, questions, ks, max_new_tokens, "evaluate")
+    eos, tally = conversations.eos, Tally(ks)
     spec_tokens = dict.fromkeys(sequential_ks, 0)
     spec_seconds = dict.fromkeys(sequential_ks, 0.0)
     mismatches = dict.fromkeys(sequential_ks, 0)
     agrees = dict.fromkeys(sequential_ks, 0)
-    base_tokens, base_generated, base_seconds, turns_done, turns_skipped = 0, 0, 0.0, 0, 0
+    base_tokens, base_generated, base_seconds = 0, 0, 0.0
     mismatched: dict[int, list[list[int]]] = {k: [] for k in sequential_ks}  # k -> prompts of mismatching turns
 
-    for qi, question in enumerate(tqdm(questions, desc="evaluate", unit="question", disable=None)):
-        category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
-        messages: list[dict] = []
-        for turn_no, user_turn in enumerate(question["turns"]):
-            prompt = ask(tokenizer, messages, user_turn, max_new_tokens + 2 * max(ks) + 2, max_positions)
-            if prompt is None:
-                turns_skipped += len(question["turns"]) - turn_no  # later turns need this answer
-                break
-            batched = references is not None and (qi, turn_no) in references
-            if batched:
-                extended = references[(qi, turn_no)]
-                reference = _finish(extended, max_new_tokens, eos)
-            else:  # the reference decode runs max(k) tokens further: a last round's verifier sees them too
-                extended, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens + max(ks) + 1, eos)
-                reference = _finish(extended, max_new_tokens, eos)
-                base_tokens, base_generated = base_tokens + len(reference), base_generated + len(extended)
-                base_seconds += seconds
-            simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference), ks)
-            for k in ks:
-                accepts = simulated[k]
-                if k in sequential_ks and not batched:
-                    (tokens, accepts), seconds = _timed(
-                        device, speculative_generate, target, draft, prompt, k, max_new_tokens, eos
-                    )
-                    spec_tokens[k] += len(tokens)
-                    spec_seconds[k] += seconds
-                    mismatches[k] += tokens != reference
-                    agrees[k] += accepts == simulated[k]
-                    if tokens != reference:
-                        mismatched[k].append(prompt)
-                tally(accepts, overall[k], category[k])
-            turns_done += 1
-            messages.append({"role": "assistant", "content": answer_text(tokenizer, reference, eos)})
+    for turn in conversations:
+        prompt = turn.prompt
+        batched = references is not None and (turn.question, turn.number) in references
+        if batched:
+            extended = references[(turn.question, turn.number)]
+            reference = _finish(extended, max_new_tokens, eos)
+        else:  # the reference decode runs max(k) tokens further: a last round's verifier sees them too
+            extended, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens + max(ks) + 1, eos)
+            reference = _finish(extended, max_new_tokens, eos)
+            base_tokens, base_generated = base_tokens + len(reference), base_generated + len(extended)
+            base_seconds += seconds
+        simulated = _simulated_accepts(target, draft, prompt, extended, len(prompt) + len(reference), ks)
+        for k in ks:
+            accepts = simulated[k]
+            if k in sequential_ks and not batched:
+                (tokens, accepts), seconds = _timed(
+                    device, speculative_generate, target, draft, prompt, k, max_new_tokens, eos
+                )
+                spec_tokens[k] += len(tokens)
+                spec_seconds[k] += seconds
+                mismatches[k] += tokens != reference
+                agrees[k] += accepts == simulated[k]
+                if tokens != reference:
+                    mismatched[k].append(prompt)
+            tally.add(turn.category, k, accepts)
+        turn.answer = reference
 
     recheck = recheck_in_float32(target, draft, mismatched, ks, max_new_tokens, eos)
     baseline_tps = base_generated / base_seconds if base_seconds else 0.0
     per_k = {}
     for k in ks:
-        row = {**overall[k].summary()}
+        row = tally.row(k)
         if k in sequential_ks:
             tps = spec_tokens[k] / spec_seconds[k] if spec_seconds[k] else 0.0
             row.update(tokens=spec_tokens[k], seconds=spec_seconds[k], tokens_per_s=tps,
@@ -468,12 +503,11 @@ def evaluate_set(target, draft, tokenizer, questions: list[dict], ks: list[int],
                        simulation_agrees=agrees[k])
             if k in recheck:
                 row["float32_recheck"] = recheck[k]
-        row["per_category"] = {name: stats[k].summary() for name, stats in sorted(by_category.items())}
         per_k[str(k)] = row
     return {
         "questions": len(questions),
-        "turns": turns_done,
-        "turns_skipped_too_long": turns_skipped,
+        "turns": conversations.done,
+        "turns_skipped_too_long": conversations.skipped,
         "sequential_k": sequential_ks,
         "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
         "k": per_k,
@@ -530,51 +564,39 @@ def evaluate_sampled_set(target, draft, tokenizer, questions: list[dict], ks: li
     `sampling`: evaluate.top_p, seed and draft_sample_method.
     """
     device = next(target.parameters()).device
-    eos = set(eos_token_ids(target, tokenizer))
-    max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 62
-    overall = {k: AcceptanceStats(k) for k in ks}
-    by_category: dict[str, dict[int, AcceptanceStats]] = {}
+    conversations = Conversations(target, tokenizer, questions, ks, max_new_tokens, f"evaluate T={temperature}")
+    eos, tally = conversations.eos, Tally(ks)
     spec_tokens, spec_seconds = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0.0)
-    base_tokens, base_seconds, turns_done, turns_skipped = 0, 0.0, 0, 0
+    base_tokens, base_seconds = 0, 0.0
 
     def rule(*parts):
         seed = decode_seed(sampling["seed"], *parts)
         return rule_for(temperature, sampling["top_p"], seed, sampling["draft_sample_method"], device)
 
-    for n, question in enumerate(tqdm(questions, desc=f"evaluate T={temperature}", unit="question",
-                                      disable=None)):
-        category = by_category.setdefault(question["category"], {k: AcceptanceStats(k) for k in ks})
-        messages: list[dict] = []
-        for turn_no, user_turn in enumerate(question["turns"]):
-            prompt = ask(tokenizer, messages, user_turn, max_new_tokens + 2 * max(ks) + 2, max_positions)
-            if prompt is None:  # too long, and so is every later turn
-                turns_skipped += len(question["turns"]) - turn_no
-                break
-            answer, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens, eos,
-                                     rule(n, turn_no, "target"))
-            base_tokens, base_seconds = base_tokens + len(answer), base_seconds + seconds
-            for k in ks:
-                (tokens, accepts), seconds = _timed(device, speculative_generate, target, draft, prompt, k,
-                                                    max_new_tokens, eos, rule(n, turn_no, k))
-                spec_tokens[k] += len(tokens)
-                spec_seconds[k] += seconds
-                tally(accepts, overall[k], category[k])
-            messages.append({"role": "assistant", "content": answer_text(tokenizer, answer, eos)})
-            turns_done += 1
+    for turn in conversations:
+        n, number, prompt = turn.question, turn.number, turn.prompt
+        answer, seconds = _timed(device, greedy_generate, target, prompt, max_new_tokens, eos, rule(n, number, "target"))
+        base_tokens, base_seconds = base_tokens + len(answer), base_seconds + seconds
+        for k in ks:
+            (tokens, accepts), seconds = _timed(device, speculative_generate, target, draft, prompt, k,
+                                                max_new_tokens, eos, rule(n, number, k))
+            spec_tokens[k] += len(tokens)
+            spec_seconds[k] += seconds
+            tally.add(turn.category, k, accepts)
+        turn.answer = answer
 
     baseline_tps = base_tokens / base_seconds if base_seconds else 0.0
     per_k = {}
     for k in ks:
         tps = spec_tokens[k] / spec_seconds[k] if spec_seconds[k] else 0.0
-        per_k[str(k)] = {**overall[k].summary(), "tokens": spec_tokens[k], "seconds": spec_seconds[k],
-                         "tokens_per_s": tps, "speedup": tps / baseline_tps if baseline_tps else 0.0,
-                         "per_category": {name: stats[k].summary() for name, stats in sorted(by_category.items())}}
+        per_k[str(k)] = {**tally.row(k), "tokens": spec_tokens[k], "seconds": spec_seconds[k],
+                         "tokens_per_s": tps, "speedup": tps / baseline_tps if baseline_tps else 0.0}
     return {
         "temperature": temperature,
         **sampling,
         "questions": len(questions),
-        "turns": turns_done,
-        "turns_skipped_too_long": turns_skipped,
+        "turns": conversations.done,
+        "turns_skipped_too_long": conversations.skipped,
         "baseline": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_s": baseline_tps},
         "k": per_k,
     }
