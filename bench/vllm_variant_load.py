@@ -5,11 +5,11 @@
         --limit 24 --out $OUT/vllm_variant_load.json
     python3 bench/vllm_variant_load.py --smoke --work W --out W/vllm_variant_load.json   # CPU, fake engine
 
-Each variant (`plain` and every DraftConfig.VARIANTS switch, one at a time) is the trained plain head of --draft
-with that switch on: its weights as trained, a new norm (`input_norm`, `fc_norm.*`) at ones. That head is not
-trained for the switch, but both evaluators read the same weights, so a config key that vLLM ignored or applied
-otherwise would show as a τ that differs from the evaluator's, and a weight it could not load as a server that
-does not start. Each goes through `export` (the stage's code) and `bench/vllm_eval_compare.py`'s comparison:
+Each variant (`plain` and every DraftConfig.VARIANTS switch, one at a time) is the plain weights of the trained head
+--draft (fc, the layer, norm, lm_head as trained; a variant head's own norms dropped) with that switch on: a new
+norm (`input_norm`, `fc_norm.*`) at ones. That head is not trained for the switch, but both evaluators read the
+same weights, so a config key that vLLM ignored or applied otherwise would show as a τ that differs from the
+evaluator's, and a weight it could not load as a server that does not start. Each goes through `export` (the stage's code) and `bench/vllm_eval_compare.py`'s comparison:
 the HF evaluator and `vllm serve --speculative-config` on the first --limit questions of each --set, at
 temperature 0 (no server without the draft: its answers and speed are not the point here). Reports per
 variant: whether the server loaded it, τ of both, their relative difference.
@@ -37,13 +37,18 @@ from eagle3build.train.checkpoint import save_best
 BENCH = "vllm_variant_load"
 
 
-def variant_export(plain_dir: str, target: str, flag: str | None, out: Path) -> str:
-    """The plain head of `plain_dir` with `flag` on (None: as it is), exported to out/export/eagle3."""
-    plain = load_exported(plain_dir, dtype=torch.float32, target_path=target)
-    config = dataclasses.replace(plain.config, **({flag: True} if flag else {}))
+def variant_export(trained_dir: str, target: str, flag: str | None, out: Path) -> str:
+    """The plain weights of the head in `trained_dir` (its own variant norms, if any, dropped) with `flag` on
+    (None: plain), exported to out/export/eagle3."""
+    trained = load_exported(trained_dir, dtype=torch.float32, target_path=target)
+    plain_config = dataclasses.replace(trained.config, **dict.fromkeys(DraftConfig.VARIANTS, False))
+    with torch.device("meta"):
+        plain_names = set(Eagle3Draft(plain_config).state_dict())
+    weights = {n: t for n, t in trained.state_dict().items() if n in plain_names}
+    config = dataclasses.replace(plain_config, **({flag: True} if flag else {}))
     model = Eagle3Draft(config)
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    new = {n for n, _ in model.named_parameters()} - set(plain.state_dict())
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    new = {n for n, _ in model.named_parameters()} - plain_names
     if unexpected or set(missing) != new:
         raise RuntimeError(f"{flag}: unexpected {unexpected}, missing {missing} beyond the new norms {sorted(new)}")
     out.mkdir(parents=True, exist_ok=True)

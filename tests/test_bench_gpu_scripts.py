@@ -181,6 +181,45 @@ def test_variant_load_smoke_serves_each_variant_from_the_plain_head(tmp_path):
         assert torch.equal(f.get_tensor("fc_norm.0.weight"), torch.ones_like(f.get_tensor("fc_norm.0.weight")))
 
 
+
+def test_variant_load_takes_the_plain_weights_of_a_variant_head(tmp_path):
+    """The GPU config trains a norm_before_fc head: each variant is built from its plain weights, its own
+    input_norm dropped, so `plain` is plain and `fc_norm` is not refused for having two norms."""
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    import dataclasses
+
+    import vllm_eval_compare as vec
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from vllm_variant_load import variant_export
+
+    from eagle3build.draft.export import export, load_exported
+
+    _, plain_dir, _ = vec.smoke_inputs(tmp_path)
+    plain = load_exported(plain_dir, dtype=torch.float32, target_path=str(STORIES))
+    trained = tmp_path / "nbf"  # the plain weights with a trained-looking input_norm: a norm_before_fc head
+    trained.mkdir()
+    config = dataclasses.replace(plain.config, norm_before_fc=True)
+    tensors = {**{n: t.contiguous() for n, t in plain.state_dict().items() if n != "embed_tokens.weight"},
+               "input_norm.weight": torch.full((3 * config.target_hidden_size,), 0.5)}
+    save_file(tensors, str(trained / "draft.safetensors"), {"draft_config": json.dumps(config.to_dict())})
+    save_file({"d2t": plain.d2t, "t2d": plain.t2d}, str(trained / "mapping.safetensors"))
+    export(str(trained / "draft.safetensors"), str(trained / "mapping.safetensors"), str(STORIES),
+           str(trained / "export"), {})  # fmt: skip
+    for flag in (None, "fc_norm", "norm_before_fc"):
+        out = variant_export(str(trained / "export"), str(STORIES), flag, tmp_path / str(flag))
+        exported = json.loads(Path(out, "config.json").read_text())
+        assert {k: exported[k] for k in ("norm_before_fc", "fc_norm")} == {
+            "norm_before_fc": flag == "norm_before_fc", "fc_norm": flag == "fc_norm"}
+        with safe_open(str(Path(out) / "model.safetensors"), "pt") as f:
+            assert torch.equal(f.get_tensor("fc.weight"), plain.fc.weight.detach())  # the trained weights
+            if flag == "norm_before_fc":  # a new norm at ones, not the head's own
+                assert torch.equal(f.get_tensor("input_norm.weight"), torch.ones(3 * config.target_hidden_size))
+            else:
+                assert "input_norm.weight" not in f.keys()
+
+
 # ---------------------------------------------------------------- queued aborts and killed jobs
 def test_abort_probe_smoke_the_relay_keeps_the_engine_alive_and_a_direct_abort_crashes_it(tmp_path):
     run = smoke("vllm_abort_probe.py", tmp_path, "--smoke")
