@@ -350,7 +350,7 @@ def export_inputs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["plain", *VARIANTS])
-def test_every_variant_exports_what_vllm_loads_and_reloads_for_the_evaluator(export_inputs, name, tmp_path):
+def test_every_variant_exports_what_vllm_loads_and_reloads_for_the_evaluator(export_inputs, name, tmp_path, capsys):
     from safetensors import safe_open
 
     from eagle3build.draft.vocab import read_mapping
@@ -369,6 +369,9 @@ def test_every_variant_exports_what_vllm_loads_and_reloads_for_the_evaluator(exp
                 module.weight.add_(0.2 * torch.randn_like(module.weight))
     save_best(tmp_path, draft, config, 1, None)
     export(str(tmp_path / "best.safetensors"), mapping, target_path, str(tmp_path / "export"), {"speculators": True})
+    # SGLang would load a variant and serve another function without a word: the export log says so
+    said = capsys.readouterr().err
+    assert ("serve it with vLLM" in said and "SGLang" in said) == (name != "plain"), said
 
     exported = json.loads((tmp_path / "export" / "eagle3" / "config.json").read_text())
     for key in DraftConfig.VARIANTS:  # the keys vLLM reads, top level

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -205,6 +206,12 @@ def export(
     config = eagle3_config(c, target_ref)
     config["torch_dtype"] = p["dtype"]
     _write_dir(Path(out_dir) / "eagle3", config, out)
+    variants = [key for key in HEAD_VARIANTS if getattr(c, key)]
+    if variants:  # a head SGLang would load without complaint and serve as another function
+        print(f"[export] {Path(out_dir) / 'eagle3'}: an EAGLE-3.1 head ({', '.join(variants)}): serve it with vLLM "
+              "(>= 0.25 reads these keys). SGLang's EAGLE-3 head ignores them and would serve a different function; "
+              "for SGLang train the plain head (train.norm_before_residual, norm_before_fc, fc_norm, norm_output off)",
+              file=sys.stderr, flush=True)
     if p["speculators"]:
         spec = speculators_config(c, target_ref, target_config)
         spec["torch_dtype"] = p["dtype"]
