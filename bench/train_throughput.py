@@ -74,9 +74,11 @@ PRESETS = {
         hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432, vocab=163840, draft_vocab=32000
     ),
     # the draft configs/kimi-k2.5.yaml trains: DraftConfig.from_target of Kimi-K2.5's text config (64 heads,
-    # MLA's num_key_value_heads 64, no head_dim: 7168 / 64 = 112; the dense intermediate size)
+    # MLA's num_key_value_heads 64, no head_dim: 7168 / 64 = 112; the dense intermediate size), with the
+    # config's norm before fc (train.norm_before_fc)
     "kimi_derived": dict(
-        hidden=7168, heads=64, kv_heads=64, head_dim=112, intermediate=18432, vocab=163840, draft_vocab=32000
+        hidden=7168, heads=64, kv_heads=64, head_dim=112, intermediate=18432, vocab=163840, draft_vocab=32000,
+        aux_norm=True,
     ),
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128),
 }
@@ -205,7 +207,7 @@ def build(
     kept = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:K].sort().values
     d2t, t2d = kept - torch.arange(K), torch.zeros(V, dtype=torch.bool)
     t2d[kept] = True
-    config = DraftConfig.from_target(target, K, [2, 16, 29])
+    config = DraftConfig.from_target(target, K, [2, 16, 29], {"norm_before_fc": True} if shape.get("aux_norm") else None)
     torch.manual_seed(seed)
     with torch.device(device):
         draft = Eagle3Draft.from_target(config, target, d2t.to(device), t2d.to(device))

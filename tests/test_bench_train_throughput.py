@@ -122,3 +122,17 @@ def test_peers_attach_by_their_length_and_k_whatever_their_tag(tmp_path):
     bench.attach_peers(ours, path)
     assert set(ours[0]["peers"]) == {"specforge", "speculators"} and ours[0]["ratio_vs_faster_peer"] == 1.2
     assert "peers" not in ours[1] and ours[1]["peers_not_finished"] == {"spec_kimi_T8192": "timed out"}
+
+
+def test_the_derived_kimi_preset_builds_the_head_the_kimi_config_trains():
+    """kimi_derived is configs/kimi-k2.5.yaml's head: 64 KV heads x 112 and its norm before fc, built here at
+    the tiny preset's size (the norm is on the preset, not the width)."""
+    import torch
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs" / "kimi-k2.5.yaml").read_text())
+    assert config["train"]["norm_before_fc"] is bench.PRESETS["kimi_derived"]["aux_norm"] is True
+    shape = {**bench.PRESETS["tiny"], "aux_norm": True}
+    draft = bench.build(shape, 32, torch.device("cpu"))[0]
+    assert draft.config.norm_before_fc and hasattr(draft, "input_norm")
+    assert not bench.build(bench.PRESETS["tiny"], 32, torch.device("cpu"))[0].config.norm_before_fc

@@ -75,3 +75,14 @@ def test_the_runs_peaks_go_to_the_log_and_the_summary(monkeypatch, capsys):
     d = Dist(rank=0, local_rank=0, world_size=1)
     assert gpu_memory_peaks(torch.device("cpu"), d) == {"peak_memory_gib": 39.31, "peak_reserved_gib": 44.0}
     assert "peak GPU memory 39.31 GiB allocated, 44.0 GiB reserved" in capsys.readouterr().err
+
+
+def test_a_norm_before_fc_adds_what_its_backward_keeps_of_the_aux_states():
+    """12 H bytes per token (the Kimi config trains norm_before_fc): 0.66 GiB at the Kimi width and T = 8192."""
+    import dataclasses
+
+    plain, normed = shape_of(KIMI), shape_of(dataclasses.replace(KIMI, norm_before_fc=True))
+    assert normed["aux_norm"] and not plain["aux_norm"]
+    for T in (4096, 8192):
+        extra = memory_estimate(normed, T, 7)["data"] - memory_estimate(plain, T, 7)["data"]
+        assert abs(extra - 12 * 7168 * T / 2**30) < 0.011

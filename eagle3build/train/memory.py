@@ -17,7 +17,7 @@ def shape_of(config: DraftConfig) -> dict:
     """The draft's shape in the estimate's terms."""
     return dict(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
-                draft_vocab=config.draft_vocab_size)
+                draft_vocab=config.draft_vocab_size, aux_norm=config.norm_before_fc or config.fc_norm)
 
 
 def trainable_weights(shape: dict) -> int:
@@ -48,7 +48,10 @@ def memory_estimate(
       recomputes it, after the later, uncheckpointed steps' are freed.
     loss: the [M, k, H] states and their normed copy (4 H per row and step) and the [rows, k, K] logits
       with their gradient, bf16 (4 K per row and step), over all M rows or one chunk of loss_chunk.
-    data: aux and final states, the embedding half of q/k/v (bf16) and the target distribution (fp32 M K).
+    data: aux and final states, the embedding half of q/k/v (bf16) and the target distribution (fp32 M K);
+      a head with a norm before fc (`aux_norm`: norm_before_fc or fc_norm) adds what its backward keeps of
+      the normed aux states, 4 bytes per value (12 H per token: measured 0.10 GiB at SmolLM2's shape and
+      16,384 tokens, bench/results/quality_smollm2_ablations.json's train peaks).
     The peak is at the start of backward (the parts above) or at its end, where the k steps' bf16 gradients
     of the per-step weight aliases (ttt.weight_aliases: 2 k P_layer) are held until step 0's backward, beside
     step 0's activations (`backward_end`): with the switches on, at short lengths, the end is the peak.
@@ -68,7 +71,7 @@ def memory_estimate(
     kept = sum(step_rows[c:]) * row + (ttt - c) * T * token
     layers = sum(step_rows[:c]) * 2 * (H + 2 * kv) + max(kept, T * (row + token) if c else 0)
     loss = M * ttt * 4 * H + min(M, loss_chunk or M) * ttt * 4 * K
-    data = T * (8 * H + 2 * (q + 2 * kv)) + M * 4 * K
+    data = T * (8 * H + 2 * (q + 2 * kv) + (12 * H if shape.get("aux_norm") else 0)) + M * 4 * K
     parts = dict(static=static, layers=layers, loss=loss, data=data)
     aliased = H * (q + 2 * kv) + q * H + 3 * H * inter  # the weights every step's layer reads
     end = static + 2 * ttt * aliased + T * (row + token) + data
