@@ -585,7 +585,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, nargs="+", default=[BASE_CONFIG],
                    help="the base config, or several merged in order as Snakemake merges --configfile (e.g. "
-                        "configs/smollm2-gpu.yaml configs/smollm2-gpu-short.yaml; default configs/smollm2-gpu.yaml)")
+                        "configs/smollm2-gpu.yaml configs/overrides/smollm2-gpu-short.yaml; default configs/smollm2-gpu.yaml)")
     p.add_argument("--variants", nargs="+", default=None, help=f"default: all ({' '.join(VARIANTS)}); "
                    f"with --smoke: {' '.join(SMOKE_VARIANTS)}")
     p.add_argument("--root", type=Path, default=None,

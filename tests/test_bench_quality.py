@@ -65,12 +65,12 @@ def test_overrides_change_what_their_names_say():
 
 
 def test_the_short_recipe_is_the_full_one_with_less_data_steps_and_evaluation():
-    """configs/smollm2-gpu-short.yaml (the ablation recipe) merged over the base: a valid config whose datasets
+    """configs/overrides/smollm2-gpu-short.yaml (the ablation recipe) merged over the base: a valid config whose datasets
     are the base's greedy pass and first sampled pass, and every variant shares with it what it shares with
     the full recipe."""
     from snakemake.utils import validate
 
-    short = quality.base_config([quality.BASE_CONFIG, ROOT / "configs" / "smollm2-gpu-short.yaml"])
+    short = quality.base_config([quality.BASE_CONFIG, ROOT / "configs" / "overrides" / "smollm2-gpu-short.yaml"])
     validate_config(json.loads(json.dumps(short)), validate)  # (validation fills in the schema's defaults)
     assert [d["name"] for d in short["datasets"]] == [
         d["name"] for d in BASE["datasets"] if "." not in d["name"] or d["name"].endswith(".s1")]
@@ -170,7 +170,7 @@ def test_configs_only_writes_configs_make_can_run(tmp_path):
     assert bf16["datasets"] == BASE["datasets"]
     assert yaml.safe_load((tmp_path / "q" / "configs" / "eagle3.yaml").read_text())["output_root"] == "q/eagle3"
     # a base of several files, merged in order: the short recipe's plain head
-    short = str(ROOT / "configs" / "smollm2-gpu-short.yaml")
+    short = str(ROOT / "configs" / "overrides" / "smollm2-gpu-short.yaml")
     subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir", str(tmp_path),
                     "--root", "s", "--base", str(quality.BASE_CONFIG), short, "--variants", "plain"],
                    capture_output=True, text=True, timeout=120, check=True)  # fmt: skip

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import STORIES
+from snakemake.utils import validate
 from workflow_util import copy_workflow, planned_jobs, snakemake, write_config
 
-from eagle3build.config import load_config, resolve_aux_layer_ids
+from eagle3build.config import load_config, resolve_aux_layer_ids, validate_config
 from eagle3build.errors import ConfigError, UserError
 
 TEMPLATE = str(Path(__file__).parent / "data" / "chat_template.jinja")
@@ -130,6 +132,24 @@ def test_every_shipped_config_validates(name):
     key would otherwise surface only on the GPU host)."""
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / name)
     assert cfg["datasets"] and cfg["output_root"] != "build"
+
+
+OVERRIDES = Path(__file__).resolve().parents[1] / "configs" / "overrides"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in OVERRIDES.glob("*.yaml")))
+def test_every_shipped_override_validates_over_the_config_it_names(name):
+    """configs/overrides/<config>-<what>.yaml is merged over configs/<config>.yaml (`make run CONFIG="A B"`):
+    the pair must pass the schema, and the override must keep its own output root."""
+    from snakemake.utils import update_config
+
+    configs = OVERRIDES.parent
+    base = max((p for p in configs.glob("*.yaml") if name.startswith(p.stem + "-")), key=lambda p: len(p.stem))
+    override = yaml.safe_load((OVERRIDES / name).read_text())
+    merged = yaml.safe_load(base.read_text())
+    update_config(merged, override)
+    validate_config(merged, validate)
+    assert override["output_root"] not in ("build", yaml.safe_load(base.read_text())["output_root"])
 
 
 def test_template_text_given_as_chat_template_names_the_key(tmp_path):

@@ -92,7 +92,7 @@ def test_the_base_image_is_one_line_pinned_by_tag_and_digest():
 def test_no_other_file_holds_the_pin_or_an_unpinned_image():
     digest = BASE_IMAGE.read_text().strip().split("@")[1]
     files = [ROOT / "Snakefile", ROOT / "Makefile", ROOT / "Dockerfile", *(ROOT / "rules").glob("*.smk"),
-             *(ROOT / "mk").glob("*.mk"), *(ROOT / "configs").glob("*.yaml"), ROOT / "config.yaml",
+             *(ROOT / "mk").glob("*.mk"), *(ROOT / "configs").rglob("*.yaml"), ROOT / "config.yaml",
              *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]  # fmt: skip
     for path in files:
         text = path.read_text()
