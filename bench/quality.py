@@ -345,8 +345,8 @@ def read_reports(out_root: Path, config: dict) -> dict:
         sets[eval_set["name"]] = set_summary(report["sets"][eval_set["name"]])
     summary_path = out_root / "train" / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    train = {k: summary[k] for k in ("steps", "best_step", "best_val", "train_samples", "val_samples")
-             if k in summary}
+    train = {k: summary[k] for k in ("steps", "best_step", "best_val", "train_samples", "val_samples",
+                                     "peak_memory_gib") if k in summary}
     return {"sets": sets, "train": train}
 
 

@@ -143,6 +143,18 @@ def report(tau3: float, t1: float | None = None) -> dict:
     return out
 
 
+def test_read_reports_keeps_the_training_summary_and_its_peak_memory(tmp_path):
+    """A variant's train peak is a result too (a head variant's memory price, docs/TRAINING.md, Memory)."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "mt_bench.json").write_text(json.dumps({"sets": {"mt_bench": report(2.4)}}))
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "summary.json").write_text(json.dumps(
+        {"steps": 1500, "best_step": 1500, "peak_memory_gib": 11.05, "params_hash": "x"}))
+    got = quality.read_reports(tmp_path, {"evaluate": {"sets": [{"name": "mt_bench"}]}})
+    assert got["train"] == {"steps": 1500, "best_step": 1500, "peak_memory_gib": 11.05}
+    assert got["sets"]["mt_bench"]["tau"] == {"3": 2.4, "7": 2.9}
+
+
 def test_summary_and_table_carry_tau_per_k_category_and_temperature():
     variants = {
         "eagle3": {"override_keys": [], "sets": {"mt_bench": quality.set_summary(report(2.4))}},
