@@ -9,10 +9,11 @@ Each variant (`plain` and every DraftConfig.VARIANTS switch, one at a time) is t
 --draft (fc, the layer, norm, lm_head as trained; a variant head's own norms dropped) with that switch on: a new
 norm (`input_norm`, `fc_norm.*`) at ones. That head is not trained for the switch, but both evaluators read the
 same weights, so a config key that vLLM ignored or applied otherwise would show as a τ that differs from the
-evaluator's, and a weight it could not load as a server that does not start. Each goes through `export` (the stage's code) and `bench/vllm_eval_compare.py`'s comparison:
-the HF evaluator and `vllm serve --speculative-config` on the first --limit questions of each --set, at
-temperature 0 (no server without the draft: its answers and speed are not the point here). Reports per
-variant: whether the server loaded it, τ of both, their relative difference.
+evaluator's, and a weight it could not load as a server that does not start. Each goes through `export` (the
+stage's code) and `bench/vllm_eval_compare.py`'s comparison: the HF evaluator and `vllm serve
+--speculative-config` on the first --limit questions of each --set, at temperature 0 (no server without the
+draft: its answers and speed are not the point here). Reports per variant: whether the server loaded it, τ of
+both, their relative difference.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import vllm_common as vc
 import vllm_eval_compare as vec
 from safetensors.torch import save_file
 
-from eagle3build.draft.export import export, load_exported
+from eagle3build.draft.export import WEIGHT_NAMES, export, load_exported, weight_names
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.train.checkpoint import save_best
 
@@ -41,14 +42,12 @@ def variant_export(trained_dir: str, target: str, flag: str | None, out: Path) -
     """The plain weights of the head in `trained_dir` (its own variant norms, if any, dropped) with `flag` on
     (None: plain), exported to out/export/eagle3."""
     trained = load_exported(trained_dir, dtype=torch.float32, target_path=target)
-    plain_config = dataclasses.replace(trained.config, **dict.fromkeys(DraftConfig.VARIANTS, False))
-    with torch.device("meta"):
-        plain_names = set(Eagle3Draft(plain_config).state_dict())
-    weights = {n: t for n, t in trained.state_dict().items() if n in plain_names}
-    config = dataclasses.replace(plain_config, **({flag: True} if flag else {}))
+    own_norms = set(weight_names(trained.config)) - set(WEIGHT_NAMES)  # the export's variant-only tensors
+    weights = {n: t for n, t in trained.state_dict().items() if n not in own_norms}
+    config = dataclasses.replace(trained.config, **{key: key == flag for key in DraftConfig.VARIANTS})
     model = Eagle3Draft(config)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    new = {n for n, _ in model.named_parameters()} - plain_names
+    new = set(weight_names(config)) - set(WEIGHT_NAMES)
     if unexpected or set(missing) != new:
         raise RuntimeError(f"{flag}: unexpected {unexpected}, missing {missing} beyond the new norms {sorted(new)}")
     out.mkdir(parents=True, exist_ok=True)
