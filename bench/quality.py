@@ -21,9 +21,9 @@ nothing. The T = 1 rows come with every variant: the base config measures evalua
 no disk. Snakemake keeps no record for a linked file, so it takes it as current (it is: its stage's inputs and
 config are the base's, which built it), and a job that does run writes new files in place of the links (the
 stages write through a temporary file and a rename), so the base's stay intact. A variant that changes the
-extraction stores its own hidden states: bf16 twice the base's fp8 (~46 GB for this recipe's 10M tokens), final_only
-as much as the base (~23 GB). --free-hidden deletes each hidden-state folder, with its links, after the last variant that
-trains on it (a later run of those variants extracts and trains again). When the base's outputs change, run this again:
+extraction stores its own hidden states: bf16 twice the base's fp8 (~46 GB for this recipe's 10M tokens),
+final_only as much as the base (~23 GB). --free-hidden deletes each hidden-state folder, with its links, after the
+last variant that trains on it (a later run of those variants extracts and trains again). When the base's outputs change, run this again:
 it links the new files, and Snakemake rebuilds what follows them in each variant.
 
 Parallel. With --parallel N the base first builds every stage another variant takes from it (`make run` with
@@ -585,7 +585,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, nargs="+", default=[BASE_CONFIG],
                    help="the base config, or several merged in order as Snakemake merges --configfile (e.g. "
-                        "configs/smollm2-gpu.yaml configs/overrides/smollm2-gpu-short.yaml; default configs/smollm2-gpu.yaml)")
+                        "configs/smollm2-gpu.yaml configs/overrides/smollm2-gpu-short.yaml; "
+                        "default configs/smollm2-gpu.yaml)")
     p.add_argument("--variants", nargs="+", default=None, help=f"default: all ({' '.join(VARIANTS)}); "
                    f"with --smoke: {' '.join(SMOKE_VARIANTS)}")
     p.add_argument("--root", type=Path, default=None,
