@@ -195,17 +195,21 @@ def test_variant_load_takes_the_plain_weights_of_a_variant_head(tmp_path):
     from vllm_variant_load import variant_export
 
     from eagle3build.draft.export import export, load_exported
+    from eagle3build.draft.model import Eagle3Draft
+    from eagle3build.train.checkpoint import save_best
 
     _, plain_dir, _ = vec.smoke_inputs(tmp_path)
     plain = load_exported(plain_dir, dtype=torch.float32, target_path=str(STORIES))
     trained = tmp_path / "nbf"  # the plain weights with a trained-looking input_norm: a norm_before_fc head
-    trained.mkdir()
     config = dataclasses.replace(plain.config, norm_before_fc=True)
-    tensors = {**{n: t.contiguous() for n, t in plain.state_dict().items() if n != "embed_tokens.weight"},
-               "input_norm.weight": torch.full((3 * config.target_hidden_size,), 0.5)}
-    save_file(tensors, str(trained / "draft.safetensors"), {"draft_config": json.dumps(config.to_dict())})
+    head = Eagle3Draft(config)
+    head.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        head.input_norm.weight.fill_(0.5)
+    trained.mkdir()
+    save_best(trained, head, config, 1, None)
     save_file({"d2t": plain.d2t, "t2d": plain.t2d}, str(trained / "mapping.safetensors"))
-    export(str(trained / "draft.safetensors"), str(trained / "mapping.safetensors"), str(STORIES),
+    export(str(trained / "best.safetensors"), str(trained / "mapping.safetensors"), str(STORIES),
            str(trained / "export"), {})  # fmt: skip
     for flag in (None, "fc_norm", "norm_before_fc"):
         out = variant_export(str(trained / "export"), str(STORIES), flag, tmp_path / str(flag))
