@@ -145,11 +145,10 @@ def test_every_shipped_override_validates_over_the_config_it_names(name):
 
     configs = OVERRIDES.parent
     base = max((p for p in configs.glob("*.yaml") if name.startswith(p.stem + "-")), key=lambda p: len(p.stem))
-    override = yaml.safe_load((OVERRIDES / name).read_text())
-    merged = yaml.safe_load(base.read_text())
-    update_config(merged, override)
-    validate_config(merged, validate)
-    assert override["output_root"] not in ("build", yaml.safe_load(base.read_text())["output_root"])
+    override, config = yaml.safe_load((OVERRIDES / name).read_text()), yaml.safe_load(base.read_text())
+    assert override["output_root"] not in ("build", config["output_root"])
+    update_config(config, override)
+    validate_config(config, validate)
 
 
 def test_template_text_given_as_chat_template_names_the_key(tmp_path):
