@@ -75,7 +75,9 @@ def test_dry_run_prints_the_kimi_memory_plan_without_running(tmp_path):
     ("llama8b", 2048, 12.5),  # H200, bench/results/train_throughput.json
     ("llama8b", 4096, 16.21),
     ("kimi", 4096, 29.5),  # H200, 2026-12-05 (docs/TRAINING.md, Memory)
-    ("kimi", 8192, 39.31),  # H100, bench/results/train_throughput_kimi.json
+    ("kimi", 8192, 39.31),  # H100 and H200, bench/results/train_throughput_kimi.json
+    ("kimi_derived", 4096, 35.14),  # H200, bench/results/train_throughput_kimi_derived.json
+    ("kimi_derived", 8192, 48.36),
 ])
 def test_the_estimate_is_within_five_percent_of_the_recorded_peaks(preset, T, measured_gib):
     estimate = bench.memory_estimate(bench.PRESETS[preset], T, 7)["total"]
@@ -90,7 +92,8 @@ def test_recorded_llama_peaks_are_the_ones_the_estimate_is_checked_against():
 
 
 def test_recorded_kimi_run_holds_what_benchmarks_md_states():
-    run = json.loads((BENCH / "results" / "train_throughput_kimi.json").read_text())["runs"][0]
+    runs = json.loads((BENCH / "results" / "train_throughput_kimi.json").read_text())["runs"]
+    run = next(r for r in runs if r["device"] == "NVIDIA H100 80GB HBM3")
     rows = {(r["T"], r["activation_checkpointing"], r["freeze_lm_head"]): r for r in run["results"]}
     assert run["preset"] == "kimi" and (run["date"], run["commit"]) == ("2026-12-06", "17abe2a")
     # the same trainable weights as speculators (lm_head frozen): 1.3x at T = 4096
@@ -136,3 +139,18 @@ def test_the_derived_kimi_preset_builds_the_head_the_kimi_config_trains():
     draft = bench.build(shape, 32, torch.device("cpu"))[0]
     assert draft.config.norm_before_fc and hasattr(draft, "input_norm")
     assert not bench.build(bench.PRESETS["tiny"], 32, torch.device("cpu"))[0].config.norm_before_fc
+
+
+def test_recorded_derived_kimi_peaks_are_the_ones_the_estimate_is_checked_against():
+    """The head configs/kimi-k2.5.yaml trains (64 query and 64 KV heads x 112, a norm before fc), beside the
+    GQA preset on the same H200 in the same session of that machine."""
+    derived = json.loads((BENCH / "results" / "train_throughput_kimi_derived.json").read_text())["runs"][0]
+    assert derived["device"] == "NVIDIA H200" and derived["preset"] == "kimi_derived"
+    assert derived["shape"]["kv_heads"] == 64 and derived["shape"]["head_dim"] == 112 and derived["shape"]["aux_norm"]
+    peaks = {r["T"]: round(r["peak_mem_gib"], 2) for r in derived["results"] if r["ok"]}
+    assert peaks == {4096: 35.14, 8192: 48.36}
+    kimi = next(r for r in json.loads((BENCH / "results" / "train_throughput_kimi.json").read_text())["runs"]
+                if r["device"] == "NVIDIA H200")
+    (k8192,) = [r for r in kimi["results"] if r["T"] == 8192]
+    (d8192,) = [r for r in derived["results"] if r["T"] == 8192]
+    assert round(k8192["peak_mem_gib"], 2) == 39.3 and 0.8 < d8192["tokens_per_s"] / k8192["tokens_per_s"] < 0.9
