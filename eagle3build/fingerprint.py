@@ -6,10 +6,12 @@ jobs read escape that: the target's weights and tokenizer files (the jobs get th
 weight edited in place keeps its path), and the content of a dataset (a touched file over 1 MB looks
 changed, a file edited inside a folder input does not).
 
-Each is fingerprinted here, cheaply at any shard count (once per DAG build, never per job): weight files by
-name, size, mtime and a hash of their safetensors header (never their gigabytes), tokenizer files and
-datasets by a hash of their content (a dataset's hash is cached by size and mtime, so it is read again
-only after a touch or an edit).
+Each is fingerprinted here, cheaply at any shard count (once per DAG build, never per job), by content, so
+that a copy with new mtimes (a build moved to another host, the model downloaded again) plans nothing:
+tokenizer files and datasets by a hash of their content, weight files by name, size, a hash of their
+safetensors header and a hash of blocks sampled evenly over their data (`WEIGHT_SAMPLES`; never all of a
+600 GB target's gigabytes). Dataset and weight hashes are cached by path, size and mtime, so a file is read
+again only after a touch or an edit.
 
 How a fingerprint reaches the rules without rebuilding existing trees: the first fingerprint seen for a
 target folder or dataset is recorded as its baseline (under output_root/.fingerprints); while the
@@ -60,6 +62,11 @@ TOKENIZER_PATTERNS = (
 # What else decides the hidden states besides the weights: the model's config and its remote code.
 MODEL_PATTERNS = ("config.json", "configuration_*.py", "modeling_*.py")
 _CHUNK = 1 << 20
+# A weight file's data is sampled as this many blocks of WEIGHT_BLOCK bytes spread evenly over it (16 MiB per
+# file; a file's whole data where it is smaller): a copy reads 1 GiB of a 64-shard target, once. An in-place
+# rewrite with new values (a fine-tune, another quantization) changes the samples; an edit confined to the
+# bytes between two samples (a few MB apart in a 5 GB shard) is not seen (docs/PRODUCTION.md, "Staleness").
+WEIGHT_SAMPLES, WEIGHT_BLOCK = 1024, 16 << 10
 
 
 def _sha256_file(path: Path) -> str:
@@ -88,6 +95,43 @@ def _safetensors_header_hash(path: Path) -> str:
     return header if isinstance(header, str) else hashlib.sha256(header).hexdigest()
 
 
+def _sampled_hash(path: Path) -> str:
+    """A hash of WEIGHT_SAMPLES blocks spread evenly over the file (all of it where it is smaller)."""
+    size = path.stat().st_size
+    if size <= WEIGHT_SAMPLES * WEIGHT_BLOCK:
+        return _sha256_file(path)
+    h, stride = hashlib.sha256(), (size - WEIGHT_BLOCK) / (WEIGHT_SAMPLES - 1)
+    with open(path, "rb") as f:
+        for i in range(WEIGHT_SAMPLES):  # the first block and the last included
+            f.seek(int(i * stride))
+            h.update(f.read(WEIGHT_BLOCK))
+    return h.hexdigest()
+
+
+def _cached_hashes(files: list[Path], cache_dir: str | None, compute: Callable[[Path], str]) -> list[str]:
+    """compute(f) of each file, cached by path, size and mtime in cache_dir (None: no cache), so that a file
+    is read again only after it was touched or rewritten."""
+    cache_file = Path(cache_dir) / "content-digests.json" if cache_dir else None
+    cache: dict = {}
+    if cache_file:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            cache = json.loads(cache_file.read_text())
+    result, changed = [], False
+    for f in files:
+        st = f.stat()
+        key = f"{f}\0{st.st_size}\0{st.st_mtime_ns}"
+        if key not in cache:
+            for stale in [k for k in cache if k.startswith(f"{f}\0")]:  # the file's earlier versions
+                del cache[stale]
+            cache[key], changed = compute(f), True
+        result.append(cache[key])
+    if changed and cache_file:
+        with contextlib.suppress(OSError):  # a read-only tree still plans, just without the cache
+            os.makedirs(cache_file.parent, exist_ok=True)
+            write_json_atomic(cache_file, cache, indent=None)
+    return result
+
+
 def shard_image(path: str) -> str:
     """The engine image a hidden shard records in its metadata (`image`, written by the job that extracted
     it): "" where it records none, or where there is no readable shard. One header read per shard."""
@@ -112,17 +156,16 @@ def tokenizer_fingerprint(model: str) -> dict | None:
     return {p.name: _sha256_file(p) for p in _matching(folder, TOKENIZER_PATTERNS)}
 
 
-def weights_fingerprint(model: str) -> dict | None:
-    """A local target folder's weights: name, size, mtime and header hash of each safetensors file, and the
-    content hash of its config and modeling code. A weight rewritten in place moves its mtime; reading
-    headers only keeps this at milliseconds for a 600 GB target."""
+def weights_fingerprint(model: str, cache_dir: str | None = None) -> dict | None:
+    """A local target folder's weights: name, size, header hash and sampled-data hash of each safetensors
+    file (the last cached in cache_dir by size and mtime), and the content hash of its config and modeling
+    code. None for a hub id (its revision pins it)."""
     folder = Path(model)
     if not folder.is_dir():
         return None
-    weights = {}
-    for p in sorted(folder.glob("*.safetensors")):
-        st = p.stat()
-        weights[p.name] = [st.st_size, st.st_mtime_ns, _safetensors_header_hash(p)]
+    paths = sorted(folder.glob("*.safetensors"))
+    sampled = _cached_hashes(paths, cache_dir, _sampled_hash)
+    weights = {p.name: [p.stat().st_size, _safetensors_header_hash(p), h] for p, h in zip(paths, sampled, strict=True)}
     files = {p.name: _sha256_file(p) for p in _matching(folder, MODEL_PATTERNS)}
     return {"weights": weights, "files": files}
 
@@ -135,28 +178,16 @@ def dataset_fingerprint(path: str, cache_dir: str) -> dict | None:
     if str(path).startswith("hf:") or not source.exists():
         return None
     files = sorted(f for f in source.rglob("*") if f.is_file()) if source.is_dir() else [source]
-    cache_file = Path(cache_dir) / "content-digests.json"
-    cache: dict = {}
-    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        cache = json.loads(cache_file.read_text())
-    result, changed = {}, False
-    for f in files:
-        st = f.stat()
-        key = f"{f}\0{st.st_size}\0{st.st_mtime_ns}"
-        if key not in cache:
-            for stale in [k for k in cache if k.startswith(f"{f}\0")]:  # the file's earlier versions
-                del cache[stale]
-            cache[key], changed = _sha256_file(f), True
-        result[str(f.relative_to(source)) if source.is_dir() else f.name] = cache[key]
-    if changed:
-        with contextlib.suppress(OSError):  # a read-only tree still plans, just without the cache
-            os.makedirs(cache_dir, exist_ok=True)
-            write_json_atomic(cache_file, cache, indent=None)
-    return result
+    hashes = _cached_hashes(files, cache_dir, _sha256_file)
+    return {str(f.relative_to(source)) if source.is_dir() else f.name: h for f, h in zip(files, hashes, strict=True)}
 
 
 def digest(fingerprint) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _record(state_dir: str, kind: str, key: str) -> Path:
+    return Path(state_dir) / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> str | None:
@@ -165,7 +196,7 @@ def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> s
     if fingerprint is None:
         return None
     current = digest(fingerprint)
-    record = Path(state_dir) / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    record = _record(state_dir, kind, key)
     try:
         baseline = json.loads(record.read_text())["digest"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
@@ -174,6 +205,27 @@ def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> s
             write_json_atomic(record, {"kind": kind, "key": key, "digest": current, "fingerprint": fingerprint})
         return None
     return None if baseline == current else current
+
+
+def weights_change(state_dir: str, model: str, cache_dir: str) -> str | None:
+    """change_since_baseline of the target's weights_fingerprint. A baseline of the earlier form (each file's
+    size, mtime and header hash: a tree built before weights were sampled) that the folder still matches
+    file for file is the same content: it is recorded again in the sampled form rather than taken as a
+    change, so such a tree plans nothing."""
+    fingerprint = weights_fingerprint(model, cache_dir)
+    if fingerprint is None:
+        return None
+    record = _record(state_dir, "weights", model)
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, AttributeError, OSError):
+        old = json.loads(record.read_text())["fingerprint"]
+        legacy = old["weights"] and all(isinstance(v[1], int) for v in old["weights"].values())
+        if legacy and old["files"] == fingerprint["files"] and old["weights"] == {
+            p.name: [p.stat().st_size, p.stat().st_mtime_ns, _safetensors_header_hash(p)]
+            for p in sorted(Path(model).glob("*.safetensors"))
+        }:
+            write_json_atomic(record, {"kind": "weights", "key": model, "digest": digest(fingerprint),
+                                       "fingerprint": fingerprint})
+    return change_since_baseline(state_dir, "weights", model, fingerprint)
 
 
 def _padded(digests: list[str], count: int) -> list[str]:

@@ -27,7 +27,7 @@ from eagle3build.fingerprint import (
     shard_changes,
     shard_image,
     tokenizer_fingerprint,
-    weights_fingerprint,
+    weights_change,
 )
 from eagle3build.shardplan import plan_shards, record_count, shard_digests
 from eagle3build.trust import check_trust
@@ -154,9 +154,8 @@ TOKENIZER_CHANGE = _change(
     tokenizer_fingerprint(TARGET["path"]),
     "tokenizer_files",
 )
-WEIGHTS_CHANGE = _change(
-    "weights", TARGET["path"], weights_fingerprint(TARGET["path"]), "target_weights"
-)
+_weights_digest = weights_change(FINGERPRINTS, TARGET["path"], f"{OUT}/.cache")
+WEIGHTS_CHANGE = {"target_weights": _weights_digest} if _weights_digest else {}
 
 
 def split_shards_param(ds, count):
@@ -318,10 +317,14 @@ def preflight():
 
 
 def target_weight_files():
-    """The target's safetensors are inputs when local, so a changed target retrains."""
+    """The target's safetensors when local (train reads its lm_head and embedding from them). Their mtime
+    does not count (`ancient`): a fresh copy of the same weights must not retrain; their content reaches
+    the train rule through WEIGHTS_CHANGE."""
     folder = Path(TARGET["path"])
     return (
-        sorted(str(p) for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+        [ancient(str(p)) for p in sorted(folder.glob("*.safetensors"))]
+        if folder.is_dir()
+        else []
     )
 
 

@@ -24,6 +24,7 @@ rule train:
     resources:
         gpu=max(1, config["train"]["gpus"]),
     params:
+        **WEIGHTS_CHANGE,  # the target folder's weights (its lm_head and embedding), once edited
         # only what changes the weights: logging and resume-point knobs are read from config by the job
         train={
             **train_rule_params(GIVEN_CONFIG.get("train", {}), config["train"]),

@@ -191,6 +191,14 @@ def test_weights_changed_in_place_rerun_extraction(built):
 
 
 @pytest.mark.slow
+def test_touched_weights_rerun_nothing(built):
+    """A weight file with a new mtime and the same bytes (copied afresh, downloaded again) is the same target."""
+    with Edit(built / "target" / "model.safetensors") as path:
+        os.utime(path, (time.time() + 60, time.time() + 60))
+        assert plan(built) == {}
+
+
+@pytest.mark.slow
 def test_an_edited_model_config_reruns_extraction(built):
     with Edit(built / "target" / "config.json") as path:
         path.write_text(path.read_text() + "\n")
@@ -412,24 +420,75 @@ def test_a_fingerprint_is_a_param_only_once_it_differs_from_the_first_recorded(t
     assert change_since_baseline(state, "weights", "models/z", None) is None  # a hub id: nothing to see
 
 
-def test_weights_fingerprint_reads_headers_only_and_sees_an_in_place_rewrite(tmp_path):
+def test_weights_fingerprint_samples_the_data_and_sees_an_in_place_rewrite_not_a_copy(tmp_path):
+    from eagle3build import fingerprint
     from eagle3build.fingerprint import weights_fingerprint
 
     header = json.dumps({"w": {"dtype": "BF16", "shape": [1 << 20, 4096], "data_offsets": [0, 1 << 33]}})
-    for i in range(8):  # 8 sparse files of 8 GiB: reading any of their data would take minutes
+    for i in range(8):  # 8 sparse files of 8 GiB: reading all of their data would take minutes
         with open(tmp_path / f"model-{i:05d}.safetensors", "wb") as f:
             f.write(len(header).to_bytes(8, "little") + header.encode())
             f.truncate(8 + len(header) + (1 << 33))
     (tmp_path / "config.json").write_text("{}")
+    cache = str(tmp_path / "cache")
     start = time.perf_counter()
-    before = weights_fingerprint(str(tmp_path))
-    assert time.perf_counter() - start < 1.0
-    assert weights_fingerprint(str(tmp_path)) == before
+    before = weights_fingerprint(str(tmp_path), cache)
+    assert time.perf_counter() - start < 5.0  # 16 MiB read per file
     shard = tmp_path / "model-00003.safetensors"
     st = shard.stat()
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten in place: same size, header
-    assert weights_fingerprint(str(tmp_path)) != before
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # touched, or copied afresh: same content
+    assert weights_fingerprint(str(tmp_path), cache) == before
+    with open(shard, "r+b") as f:  # rewritten in place with other values: same size and header
+        for offset in range(8 + len(header), st.st_size, 1 << 26):
+            f.seek(offset)
+            f.write(os.urandom(1 << 20))
+    assert weights_fingerprint(str(tmp_path), cache) != before
+    reads = []
+    original = fingerprint._sampled_hash
+    fingerprint._sampled_hash = lambda p: reads.append(p) or original(p)
+    try:
+        again = weights_fingerprint(str(tmp_path), cache)
+    finally:
+        fingerprint._sampled_hash = original
+    assert reads == [] and again != before  # cached by size and mtime: a later plan stats the files only
     assert weights_fingerprint("org/hub-model") is None
+
+
+def test_a_weights_baseline_of_the_earlier_form_is_kept_while_the_folder_matches_it(tmp_path):
+    """Trees built when the weights' fingerprint was each file's size, mtime and header hash: a folder that
+    still matches that record plans nothing (its record is rewritten in the sampled form); one whose files
+    moved on is a change, as it was then."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3build.fingerprint import weights_change
+
+    model, state, cache = tmp_path / "model", str(tmp_path / "fp"), str(tmp_path / "cache")
+    model.mkdir()
+    save_file({"w": torch.ones(4, 4)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    p = model / "model.safetensors"
+    raw = p.read_bytes()
+    header_hash = hashlib.sha256(raw[8:8 + int.from_bytes(raw[:8], "little")]).hexdigest()
+    assert weights_change(state, str(model), cache) is None  # the baseline, recorded in the sampled form
+    (record,) = Path(state).glob("weights-*.json")
+
+    def legacy(mtime_ns):
+        return {"weights": {p.name: [p.stat().st_size, mtime_ns, header_hash]},
+                "files": {"config.json": hashlib.sha256(b"{}").hexdigest()}}
+
+    for mtime_ns, expect_change in ((p.stat().st_mtime_ns, False), (p.stat().st_mtime_ns - 10**9, True)):
+        record.write_text(json.dumps({"kind": "weights", "key": str(model), "digest": "0" * 16,
+                                      "fingerprint": legacy(mtime_ns)}))
+        assert bool(weights_change(state, str(model), cache)) is expect_change
+        upgraded = json.loads(record.read_text())["fingerprint"]["weights"][p.name]
+        assert isinstance(upgraded[1], str) is not expect_change  # rewritten in the sampled form only if matched
+    record.unlink()
+    assert weights_change(state, str(model), cache) is None  # recorded afresh as the baseline
+    os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
+    assert weights_change(state, str(model), cache) is None  # touched: the same content
 
 
 def test_dataset_fingerprint_sees_content_not_mtime(tmp_path):

@@ -205,7 +205,8 @@ def test_sigkill_mid_extraction_leaves_nothing_complete_and_rerun_is_partial(tmp
 
 def test_a_build_moved_to_another_host_plans_nothing(tmp_path):
     """The output root and Snakemake's records, copied into another checkout whose model and data were copied
-    afresh (newer files than every output): the plan there is empty, and an `lr` edit plans what it plans at home."""
+    afresh (newer files than every output, new mtimes): the plan there is empty, and an `lr` edit plans what
+    it plans at home."""
     if not STORIES.exists():
         pytest.skip("../shared/assets is absent")
     cfg = base_config()
@@ -214,7 +215,7 @@ def test_a_build_moved_to_another_host_plans_nothing(tmp_path):
 
     def checkout(path: Path) -> Path:
         wd = copy_workflow(path)
-        shutil.copytree(STORIES, wd / "models" / "stories")
+        shutil.copytree(STORIES, wd / "models" / "stories", copy_function=shutil.copy)  # new mtimes: a fresh copy
         (wd / "data").mkdir()
         for asset in (TRAIN_DATA / "alpaca_en_demo.json", TEMPLATE):
             shutil.copy(asset, wd / "data")
