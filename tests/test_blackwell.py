@@ -240,6 +240,38 @@ def test_doctor_without_gpus_states_what_each_gpu_will_need(tmp_path, monkeypatc
     assert devices.check_devices(kimi_context(tmp_path, 595e9), "train").status == "skip"
 
 
+KIMI_TEXT = {**DEEPSEEK_V3, "num_key_value_heads": 64, "intermediate_size": 18432}  # as Kimi-K2.5's config.json
+
+
+def test_doctor_plans_the_kimi_configs_training_step_on_the_blackwell_cards_before_anything_runs(tmp_path, monkeypatch):
+    """The draft configs/kimi-k2.5.yaml trains (64 query / 64 KV heads x 112, the norm before fc) at its
+    batch_tokens on 8 GPUs with DDP: within a 96 GB card, not within an 80 GB one (the advice names the keys)."""
+    import yaml
+
+    train = yaml.safe_load((ROOT / "configs" / "kimi-k2.5.yaml").read_text())["train"]
+    ctx = kimi_context(tmp_path, 595e9)
+    ctx.config["train"], ctx.target_config = train, KIMI_TEXT
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [RTX_PRO_6000] * 8)
+    check = devices.check_train_memory(ctx, "all")
+    assert check.status == "ok", check
+    assert "64 query / 64 KV heads x 112, intermediate 18432" in check.detail
+    assert "estimated peak of a step 76.3 GiB at train.batch_tokens 16384" in check.detail  # 72.0 + DDP's 4.2
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [H100] * 8)
+    check = devices.check_train_memory(ctx, "train")
+    assert check.status == "warn" and "may run out of memory; set train.activation_checkpointing" in check.detail
+    ctx.config["train"] = {**train, "num_key_value_heads": 7}
+    check = devices.check_train_memory(ctx, "train")
+    assert check.status == "fail" and "train.num_key_value_heads" in check.detail
+    ctx.config["train"] = train
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [])
+    assert devices.check_train_memory(ctx, "train").status == "skip"
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [RTX_PRO_6000] * 8)
+    for target_config in (None, {"hidden_size": 7168}):  # not read, or no layer shape: the config check says
+        ctx.target_config = target_config
+        assert devices.check_train_memory(ctx, "train").status == "skip"
+    assert any(name == "train memory" for name, _, _ in doctor.CHECKS)  # part of `make doctor`
+
+
 def test_visible_gpus_reads_torchs_device_properties(monkeypatch):
     class Props:
         name, major, minor, total_memory, shared_memory_per_block_optin = (

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from eagle3build.doctor.context import Check, Context
 from eagle3build.doctor.data import check_dataset_revisions
-from eagle3build.doctor.devices import check_devices
+from eagle3build.doctor.devices import check_devices, check_train_memory
 from eagle3build.doctor.engine import check_architecture, check_max_len, check_vllm
 from eagle3build.doctor.machine import check_attention, check_disk, check_gpus
 from eagle3build.doctor.mask import check_mask
@@ -55,6 +55,7 @@ CHECKS: list[tuple[str, Callable[[Context, str], Check], set[str]]] = [
     ("gpus", check_gpus, {"all", "extract", "train"}),
     ("devices", check_devices, {"all", "extract", "train"}),
     ("attention", lambda c, s: check_attention(c), {"all", "train"}),
+    ("train memory", check_train_memory, {"all", "train"}),
     ("disk", lambda c, s: check_disk(c), {"all", "extract"}),
     ("datasets", lambda c, s: check_dataset_revisions(c), {"all", "tokens", "extract"}),
 ]

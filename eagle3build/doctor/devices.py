@@ -10,6 +10,11 @@ The plan per GPU, for the vLLM backend (docs/PRODUCTION.md walks it for Kimi-K2.
   rule as the GPU check).
 The server needs room for one max_model_len sequence (else vLLM refuses to start): fail below that;
 warn where extract.vllm.concurrency full-length requests would not all fit at once (they queue).
+
+The training step's plan (`train memory`): the estimated peak of one step at train.batch_tokens for the
+draft the target's config derives (train.memory_check, what training logs again before its first step),
+against the smallest visible GPU; a warning names the train keys that would fit. Known before regeneration
+and extraction have run for days, not after.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from eagle3build.attention.flex_options import device_smem, flex_kernel_options
 from eagle3build.doctor.context import GB, Check, Context
 from eagle3build.doctor.engine import cache_plan
+from eagle3build.errors import ConfigError
 
 RESERVE = 0.10  # of memory x gpu_memory_utilization: activations, CUDA graphs, NCCL
 
@@ -154,3 +160,34 @@ def check_devices(ctx: Context, stage: str) -> Check:
         status, plan, fix = _server_plan(ctx, memory)
         return Check(name, status, f"{described}; {plan}", fix)
     return Check(name, "ok" if gpus else "skip", described)
+
+
+def check_train_memory(ctx: Context, stage: str) -> Check:
+    name = "train memory"
+    if ctx.target_config is None:
+        return Check(name, "skip", "the target's config was not read (the config check says why)")
+    from eagle3build.draft.model import DraftConfig
+    from eagle3build.draft.target import TargetShape
+    from eagle3build.train.loop import resolve_params
+    from eagle3build.train.memory import GIB, memory_check
+
+    train = ctx.section("train")
+    try:
+        p = resolve_params(ctx.config.get("train"))
+        config = DraftConfig.from_target(TargetShape.from_config(ctx.target_config),
+                                         int(ctx.section("vocab")["draft_vocab_size"]), None,
+                                         {k: p[k] for k in DraftConfig.OVERRIDABLE})
+    except ConfigError as e:
+        return Check(name, "fail", str(e), "fix the key it names")
+    except (KeyError, TypeError, ValueError) as e:  # the config check reports what the target's config lacks
+        return Check(name, "skip", f"the target's config gives no layer shape ({e!r})")
+    gpus = visible_gpus()
+    if not gpus:
+        return Check(name, "skip", "no CUDA device visible to compare a step's memory with")
+    world = max(1, int(train["gpus"] or 0))
+    fsdp = bool(p["fsdp"]) and world > 1
+    fits, note = memory_check(config, p, min(g.total_memory for g in gpus) / GIB, world > 1 and not fsdp,
+                              world if fsdp else 1)
+    shape = (f"the draft layer {config.num_attention_heads} query / {config.num_key_value_heads} KV heads x "
+             f"{config.head_dim}, intermediate {config.intermediate_size}")
+    return Check(name, "ok" if fits else "warn", f"{shape}: {note}")

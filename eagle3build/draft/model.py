@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3build.config import default_aux_layer_ids
-from eagle3build.draft.target import TargetHead, rms_norm
+from eagle3build.draft.target import TargetHead, TargetShape, rms_norm
 from eagle3build.errors import ConfigError
 
 
@@ -63,12 +63,13 @@ class DraftConfig:
     @classmethod
     def from_target(
         cls,
-        target: TargetHead,
+        target: TargetShape,
         draft_vocab_size: int,
         aux_layer_ids: list[int] | None = None,
         overrides: dict | None = None,
     ) -> DraftConfig:
-        """Default draft shape = the target's layer shape; `overrides` (None values ignored) change it."""
+        """Default draft shape = the target's layer shape (a TargetHead, or TargetShape.from_config of its
+        config alone); `overrides` (None values ignored) change it."""
         config = cls(
             hidden_size=target.hidden_size,
             num_attention_heads=target.num_attention_heads,

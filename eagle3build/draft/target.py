@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,23 +33,47 @@ _LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_h
 
 
 @dataclass
-class TargetHead:
-    """Embedding, final norm and lm_head of the target plus the config values the draft needs."""
+class TargetShape:
+    """The target config's values the draft's shape derives from (DraftConfig.from_target): its width, vocab,
+    depth and the shape of one decoder layer (the draft's own unless overridden)."""
 
-    embed_tokens: torch.Tensor  # [V, H]
-    norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H] (the embedding itself for tied targets)
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
     rms_norm_eps: float
-    # the shape of one decoder layer (the draft's own unless overridden)
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
     rope_theta: float
+
+    @classmethod
+    def from_config(cls, config: dict) -> TargetShape:
+        """From the text model's config.json (read_target_config). An MLA target has no KV groups: its
+        num_key_value_heads is its head count, and without head_dim a head is hidden / heads wide."""
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            intermediate_size=int(config.get("intermediate_size", 4 * hidden)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rope_theta=rope_theta_of(config),
+        )
+
+
+@dataclass
+class TargetHead(TargetShape):
+    """Embedding, final norm and lm_head of the target plus the config values the draft needs."""
+
+    embed_tokens: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself for tied targets)
     model_type: str = "llama"
     tie_word_embeddings: bool = False
     config: dict = field(default_factory=dict, repr=False)
@@ -137,21 +161,11 @@ def load_target_head(target_path: str | os.PathLike, dtype: torch.dtype = torch.
         raise UserError(f"{target_path}: embed/lm_head width {embed.shape[1]} != config hidden_size {hidden}")
     if lm_head.shape[0] < vocab:
         raise UserError(f"{target_path}: lm_head has {lm_head.shape[0]} rows < config vocab_size {vocab}")
-    heads = int(config["num_attention_heads"])
     return TargetHead(
+        **asdict(TargetShape.from_config(config)),
         embed_tokens=embed[:vocab],
         norm=norm,
         lm_head=lm_head[:vocab],
-        hidden_size=hidden,
-        vocab_size=vocab,
-        num_hidden_layers=int(config["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        intermediate_size=int(config.get("intermediate_size", 4 * hidden)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta_of(config),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         model_type=str(config.get("model_type", "llama")),
         tie_word_embeddings=tied,
         config=config,

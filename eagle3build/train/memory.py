@@ -101,9 +101,11 @@ def fitting_switches(shape: dict, T: int, ttt: int, budget_gib: float, frozen_lm
     return None
 
 
-def memory_note(config: DraftConfig, p: dict, device_gib: float, ddp: bool = False, fsdp_shards: int = 1) -> str:
-    """What training logs before its first step: the step's estimated peak at train.batch_tokens beside the
-    device's memory, and, where it would not fit, the train keys that would (or a smaller batch)."""
+def memory_check(config: DraftConfig, p: dict, device_gib: float, ddp: bool = False,
+                 fsdp_shards: int = 1) -> tuple[bool, str]:
+    """Whether the step's estimated peak at train.batch_tokens fits FIT_SHARE of the device, and the note
+    training logs before its first step (the preflight reports it too): the estimate beside the device's
+    memory, and, where it would not fit, the train keys that would (or a smaller batch)."""
     shape, T, ttt, frozen = shape_of(config), int(p["batch_tokens"]), int(p["ttt_steps"]), p["freeze_lm_head"]
     ddp_gib = 4 * trainable_weights(shape) / GIB if ddp else 0.0  # DDP's gradient buckets exist from the start
     total = memory_estimate(shape, T, ttt, 1.0, p["activation_checkpointing"], p["loss_chunk_tokens"],
@@ -112,10 +114,15 @@ def memory_note(config: DraftConfig, p: dict, device_gib: float, ddp: bool = Fal
             f"bound; docs/TRAINING.md, Memory); the device has {device_gib:.1f} GiB")
     budget = FIT_SHARE * device_gib
     if total <= budget:
-        return note
+        return True, note
     fit = fitting_switches(shape, T, ttt, budget - ddp_gib, frozen, fsdp_shards)
     if fit is None:
-        return f"{note}: it may run out of memory; lower train.batch_tokens"
+        return False, f"{note}: it may run out of memory; lower train.batch_tokens"
     keys = ", ".join(f"train.{k}: {v}" for k, v in fit.items() if k != "estimate_gib")
-    return (f"{note}: it may run out of memory; set {keys} (estimate {fit['estimate_gib'] + ddp_gib:.1f} GiB: the "
-            "same weights, some recomputation in backward) or lower train.batch_tokens")
+    return False, (f"{note}: it may run out of memory; set {keys} (estimate {fit['estimate_gib'] + ddp_gib:.1f} GiB: "
+                   "the same weights, some recomputation in backward) or lower train.batch_tokens")
+
+
+def memory_note(config: DraftConfig, p: dict, device_gib: float, ddp: bool = False, fsdp_shards: int = 1) -> str:
+    """What training logs before its first step (memory_check's note)."""
+    return memory_check(config, p, device_gib, ddp, fsdp_shards)[1]
