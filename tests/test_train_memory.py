@@ -17,29 +17,29 @@ H100_GIB = 79.2
 
 
 def test_a_step_that_fits_is_noted_without_advice():
-    note = memory_note(KIMI, resolve_params({"batch_tokens": 8192}), H100_GIB, ddp=False)
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 8192}), H100_GIB)
     assert "estimated peak of a step 39.0 GiB at train.batch_tokens 8192" in note  # measured: 39.3 (H100, H200)
     assert "may run out" not in note
 
 
 def test_a_step_that_would_not_fit_names_the_cheapest_keys_that_do():
-    note = memory_note(KIMI, resolve_params({"batch_tokens": 24576}), H100_GIB, ddp=False)
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 24576}), H100_GIB)
     # two checkpointed steps cost less recomputation than the chunked loss at this shape, and suffice
     assert "may run out of memory; set train.activation_checkpointing: 2 (estimate 70.0 GiB" in note, note
-    note = memory_note(KIMI, resolve_params({"batch_tokens": 24576}), 76.0, ddp=False)
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 24576}), 76.0)
     assert "set train.loss_chunk_tokens: 2048 (estimate 57.3 GiB" in note, note
-    note = memory_note(KIMI, resolve_params({"batch_tokens": 32768}), H100_GIB, ddp=False)
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 32768}), H100_GIB)
     assert "set train.loss_chunk_tokens: 2048 (estimate 69.1 GiB" in note, note
-    note = memory_note(KIMI, resolve_params({"batch_tokens": 262144}), H100_GIB, ddp=False)
+    note = memory_note(KIMI, resolve_params({"batch_tokens": 262144}), H100_GIB)
     assert note.endswith("may run out of memory; lower train.batch_tokens")
 
 
 def test_ddp_counts_its_gradient_buckets_in_the_note_and_the_advice():
     p = resolve_params({"batch_tokens": 16384})
-    alone, ddp = (float(re.search(r"step ([\d.]+) GiB", memory_note(KIMI, p, H100_GIB, d)).group(1))
-                  for d in (False, True))
+    alone, ddp = (float(re.search(r"step ([\d.]+) GiB", memory_note(KIMI, p, H100_GIB, n)).group(1))
+                  for n in (1, 2))  # one process; two with DDP (train.fsdp off)
     assert 3.5 < ddp - alone < 3.7  # 4 bytes x 963M trainable weights (the lm_head's 229M included)
-    note = memory_note(KIMI, p, 64.0, ddp=True)
+    note = memory_note(KIMI, p, 64.0, world_size=2)
     est = float(re.search(r"\(estimate ([\d.]+) GiB", note).group(1))
     assert est <= FIT_SHARE * 64.0
 
@@ -61,7 +61,8 @@ def test_fsdp_holds_a_shard_of_the_trained_weights_state_not_of_the_frozen_ones(
     assert abs((whole - frozen) / 8 - (sharded - frozen)) < 0.02
     p = resolve_params({"batch_tokens": 24576})
     assert "may run out" in memory_note(KIMI, p, H100_GIB)
-    assert "may run out" not in memory_note(KIMI, p, H100_GIB, fsdp_shards=8)
+    assert "may run out" in memory_note(KIMI, p, H100_GIB, world_size=8)  # DDP: whole state on each
+    assert "may run out" not in memory_note(KIMI, {**p, "fsdp": True}, H100_GIB, world_size=8)
 
 
 def test_the_runs_peaks_go_to_the_log_and_the_summary(monkeypatch, capsys):

@@ -184,10 +184,8 @@ def check_train_memory(ctx: Context, stage: str) -> Check:
     gpus = visible_gpus()
     if not gpus:
         return Check(name, "skip", "no CUDA device visible to compare a step's memory with")
-    world = max(1, int(train["gpus"] or 0))
-    fsdp = bool(p["fsdp"]) and world > 1
-    fits, note = memory_check(config, p, min(g.total_memory for g in gpus) / GIB, world > 1 and not fsdp,
-                              world if fsdp else 1)
+    world_size = max(1, int(train["gpus"] or 0))  # train.gpus processes (train/launch.py)
+    fits, note = memory_check(config, p, min(g.total_memory for g in gpus) / GIB, world_size)
     shape = (f"the draft layer {config.num_attention_heads} query / {config.num_key_value_heads} KV heads x "
              f"{config.head_dim}, intermediate {config.intermediate_size}")
     return Check(name, "ok" if fits else "warn", f"{shape}: {note}")

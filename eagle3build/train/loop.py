@@ -97,11 +97,11 @@ def starting_weights(draft: Eagle3Draft, p: dict, d: Dist) -> dict | None:
     return warm
 
 
-def note_memory(config: DraftConfig, p: dict, device: torch.device, d: Dist, fsdp: bool) -> None:
+def note_memory(config: DraftConfig, p: dict, device: torch.device, d: Dist) -> None:
     """On a GPU: the step's estimated peak beside the device's memory, and what would fit (train.memory)."""
     if device.type == "cuda":
         device_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-        log(memory_note(config, p, device_gib, d.world_size > 1 and not fsdp, d.world_size if fsdp else 1), d)
+        log(memory_note(config, p, device_gib, d.world_size), d)
 
 
 def gpu_memory_peaks(device: torch.device, d: Dist) -> dict:
@@ -268,7 +268,7 @@ def train(
     config = DraftConfig.from_target(
         target, len(d2t), data.layer_ids[:3], {k: p[k] for k in DraftConfig.OVERRIDABLE}
     )
-    note_memory(config, p, device, d, fsdp)  # before the first step and its compilations
+    note_memory(config, p, device, d)  # before the first step and its compilations
     draft = Eagle3Draft.from_target(config, target, d2t, t2d, p["init_lm_head_from_target"]).to(device)
     warm = starting_weights(draft, p, d)  # train.init_from, train.freeze_lm_head
     scorer = TargetScorer(target, d2t, t2d, device, data_dtype, compile=compiled)

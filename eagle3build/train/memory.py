@@ -101,11 +101,13 @@ def fitting_switches(shape: dict, T: int, ttt: int, budget_gib: float, frozen_lm
     return None
 
 
-def memory_check(config: DraftConfig, p: dict, device_gib: float, ddp: bool = False,
-                 fsdp_shards: int = 1) -> tuple[bool, str]:
+def memory_check(config: DraftConfig, p: dict, device_gib: float, world_size: int = 1) -> tuple[bool, str]:
     """Whether the step's estimated peak at train.batch_tokens fits FIT_SHARE of the device, and the note
     training logs before its first step (the preflight reports it too): the estimate beside the device's
-    memory, and, where it would not fit, the train keys that would (or a smaller batch)."""
+    memory, and, where it would not fit, the train keys that would (or a smaller batch). `world_size`
+    processes train with DDP (its gradient buckets on each), or with FSDP (train.fsdp: a shard each)."""
+    fsdp = bool(p["fsdp"]) and world_size > 1  # as training decides it (train.loop)
+    ddp, fsdp_shards = world_size > 1 and not fsdp, world_size if fsdp else 1
     shape, T, ttt, frozen = shape_of(config), int(p["batch_tokens"]), int(p["ttt_steps"]), p["freeze_lm_head"]
     ddp_gib = 4 * trainable_weights(shape) / GIB if ddp else 0.0  # DDP's gradient buckets exist from the start
     total = memory_estimate(shape, T, ttt, 1.0, p["activation_checkpointing"], p["loss_chunk_tokens"],
@@ -123,6 +125,6 @@ def memory_check(config: DraftConfig, p: dict, device_gib: float, ddp: bool = Fa
                    "the same weights, some recomputation in backward) or lower train.batch_tokens")
 
 
-def memory_note(config: DraftConfig, p: dict, device_gib: float, ddp: bool = False, fsdp_shards: int = 1) -> str:
+def memory_note(config: DraftConfig, p: dict, device_gib: float, world_size: int = 1) -> str:
     """What training logs before its first step (memory_check's note)."""
-    return memory_check(config, p, device_gib, ddp, fsdp_shards)[1]
+    return memory_check(config, p, device_gib, world_size)[1]
