@@ -65,7 +65,7 @@ _CHUNK = 1 << 20
 # A weight file's data is sampled as this many blocks of WEIGHT_BLOCK bytes spread evenly over it (16 MiB per
 # file; a file's whole data where it is smaller): a copy reads 1 GiB of a 64-shard target, once. An in-place
 # rewrite with new values (a fine-tune, another quantization) changes the samples; an edit confined to the
-# bytes between two samples (a few MB apart in a 5 GB shard) is not seen (docs/PRODUCTION.md, "Staleness").
+# bytes between two samples (a few MB apart in a 5 GB shard) is not seen (docs/DESIGN.md, "Staleness").
 WEIGHT_SAMPLES, WEIGHT_BLOCK = 1024, 16 << 10
 
 
@@ -190,6 +190,13 @@ def _record(state_dir: str, kind: str, key: str) -> Path:
     return Path(state_dir) / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
+def _record_baseline(record: Path, kind: str, key: str, fingerprint) -> None:
+    """Write `fingerprint` as the baseline of (kind, key); a read-only tree plans as if it were written."""
+    with contextlib.suppress(OSError):
+        os.makedirs(record.parent, exist_ok=True)
+        write_json_atomic(record, {"kind": kind, "key": key, "digest": digest(fingerprint), "fingerprint": fingerprint})
+
+
 def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> str | None:
     """None while `fingerprint` is the first one recorded for (kind, key) (recording it if none was);
     otherwise its digest, for the params of the rules that read what it fingerprints."""
@@ -200,9 +207,7 @@ def change_since_baseline(state_dir: str, kind: str, key: str, fingerprint) -> s
     try:
         baseline = json.loads(record.read_text())["digest"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
-        with contextlib.suppress(OSError):  # a read-only tree plans as if this were the baseline
-            os.makedirs(state_dir, exist_ok=True)
-            write_json_atomic(record, {"kind": kind, "key": key, "digest": current, "fingerprint": fingerprint})
+        _record_baseline(record, kind, key, fingerprint)
         return None
     return None if baseline == current else current
 
@@ -223,8 +228,7 @@ def weights_change(state_dir: str, model: str, cache_dir: str) -> str | None:
             p.name: [p.stat().st_size, p.stat().st_mtime_ns, _safetensors_header_hash(p)]
             for p in sorted(Path(model).glob("*.safetensors"))
         }:
-            write_json_atomic(record, {"kind": "weights", "key": model, "digest": digest(fingerprint),
-                                       "fingerprint": fingerprint})
+            _record_baseline(record, "weights", model, fingerprint)
     return change_since_baseline(state_dir, "weights", model, fingerprint)
 
 
