@@ -420,7 +420,7 @@ def test_a_fingerprint_is_a_param_only_once_it_differs_from_the_first_recorded(t
     assert change_since_baseline(state, "weights", "models/z", None) is None  # a hub id: nothing to see
 
 
-def test_weights_fingerprint_samples_the_data_and_sees_an_in_place_rewrite_not_a_copy(tmp_path):
+def test_weights_fingerprint_samples_the_data_and_sees_an_in_place_rewrite_not_a_copy(tmp_path, monkeypatch):
     from eagle3build import fingerprint
     from eagle3build.fingerprint import weights_fingerprint
 
@@ -445,11 +445,8 @@ def test_weights_fingerprint_samples_the_data_and_sees_an_in_place_rewrite_not_a
     assert weights_fingerprint(str(tmp_path), cache) != before
     reads = []
     original = fingerprint._sampled_hash
-    fingerprint._sampled_hash = lambda p: reads.append(p) or original(p)
-    try:
-        again = weights_fingerprint(str(tmp_path), cache)
-    finally:
-        fingerprint._sampled_hash = original
+    monkeypatch.setattr(fingerprint, "_sampled_hash", lambda p: reads.append(p) or original(p))
+    again = weights_fingerprint(str(tmp_path), cache)
     assert reads == [] and again != before  # cached by size and mtime: a later plan stats the files only
     assert weights_fingerprint("org/hub-model") is None
 
