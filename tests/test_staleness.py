@@ -448,6 +448,7 @@ def test_weights_fingerprint_samples_the_data_and_sees_an_in_place_rewrite_not_a
     monkeypatch.setattr(fingerprint, "_sampled_hash", lambda p: reads.append(p) or original(p))
     again = weights_fingerprint(str(tmp_path), cache)
     assert reads == [] and again != before  # cached by size and mtime: a later plan stats the files only
+    assert weights_fingerprint(str(tmp_path), str(tmp_path / "empty-cache")) == again and len(reads) == 8
     assert weights_fingerprint("org/hub-model") is None
 
 
