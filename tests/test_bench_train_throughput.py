@@ -143,7 +143,7 @@ def test_the_derived_kimi_preset_builds_the_head_the_kimi_config_trains():
 
 def test_recorded_derived_kimi_peaks_are_the_ones_the_estimate_is_checked_against():
     """The head configs/kimi-k2.5.yaml trains (64 query and 64 KV heads x 112, a norm before fc), beside the
-    GQA preset on the same H200 in the same session of that machine."""
+    GQA preset measured on the same H200 while it was held (one machine, one commit)."""
     derived = json.loads((BENCH / "results" / "train_throughput_kimi_derived.json").read_text())["runs"][0]
     assert derived["device"] == "NVIDIA H200" and derived["preset"] == "kimi_derived"
     assert derived["shape"]["kv_heads"] == 64 and derived["shape"]["head_dim"] == 112 and derived["shape"]["aux_norm"]
