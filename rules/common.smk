@@ -143,19 +143,20 @@ def regen_sampling(ds):
 FINGERPRINTS = f"{OUT}/.fingerprints"
 
 
-def _change(kind, key, fingerprint, param):
-    digest = change_since_baseline(FINGERPRINTS, kind, key, fingerprint)
+def _changed(param, digest):
+    """A rule's params entry for an input that changed since its baseline: {param: digest}, else nothing."""
     return {param: digest} if digest else {}
 
 
-TOKENIZER_CHANGE = _change(
-    "tokenizer",
-    TARGET["path"],
-    tokenizer_fingerprint(TARGET["path"]),
+TOKENIZER_CHANGE = _changed(
     "tokenizer_files",
+    change_since_baseline(
+        FINGERPRINTS, "tokenizer", TARGET["path"], tokenizer_fingerprint(TARGET["path"])
+    ),
 )
-_weights_digest = weights_change(FINGERPRINTS, TARGET["path"], f"{OUT}/.cache")
-WEIGHTS_CHANGE = {"target_weights": _weights_digest} if _weights_digest else {}
+WEIGHTS_CHANGE = _changed(
+    "target_weights", weights_change(FINGERPRINTS, TARGET["path"], f"{OUT}/.cache")
+)
 
 
 def split_shards_param(ds, count):
