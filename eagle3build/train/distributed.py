@@ -40,6 +40,12 @@ class Dist:
         return t
 
 
+def uses_fsdp(p: dict, world_size: int) -> bool:
+    """Whether training shards its weights with FSDP: train.fsdp, where more than one process trains (one
+    process keeps plain weights)."""
+    return bool(p["fsdp"]) and world_size > 1
+
+
 def init_distributed() -> Dist:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; without them this is one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -39,7 +39,14 @@ from eagle3build.train.data import (
     plan_steps,
     split_samples,
 )
-from eagle3build.train.distributed import Dist, TTTModule, fsdp_full_state, init_distributed, shard_fsdp2
+from eagle3build.train.distributed import (
+    Dist,
+    TTTModule,
+    fsdp_full_state,
+    init_distributed,
+    shard_fsdp2,
+    uses_fsdp,
+)
 from eagle3build.train.memory import GIB, memory_note
 from eagle3build.train.metrics import TrainLog, log
 from eagle3build.train.optim import make_optimizer, make_scheduler, optimizer_step
@@ -257,7 +264,7 @@ def train(
     micro_per_step = p["grad_accum"] * d.world_size
     plan = plan_steps(train_idx, data.lengths, p, micro_per_step)
     total_steps = len(plan)
-    fsdp = bool(p["fsdp"]) and d.world_size > 1
+    fsdp = uses_fsdp(p, d.world_size)
     run_hash = params_hash(
         hashed_params(p, fsdp), hidden_paths, mapping_path, target.config, micro_per_step, target_revision
     )

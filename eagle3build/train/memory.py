@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from eagle3build.draft.model import DraftConfig
+from eagle3build.train.distributed import uses_fsdp
 from eagle3build.ttt.recompute import checkpointed_steps
 
 GIB = 2**30
@@ -106,7 +107,7 @@ def memory_check(config: DraftConfig, p: dict, device_gib: float, world_size: in
     training logs before its first step (the preflight reports it too): the estimate beside the device's
     memory, and, where it would not fit, the train keys that would (or a smaller batch). `world_size`
     processes train with DDP (its gradient buckets on each), or with FSDP (train.fsdp: a shard each)."""
-    fsdp = bool(p["fsdp"]) and world_size > 1  # as training decides it (train.loop)
+    fsdp = uses_fsdp(p, world_size)
     ddp, fsdp_shards = world_size > 1 and not fsdp, world_size if fsdp else 1
     shape, T, ttt, frozen = shape_of(config), int(p["batch_tokens"]), int(p["ttt_steps"]), p["freeze_lm_head"]
     ddp_gib = 4 * trainable_weights(shape) / GIB if ddp else 0.0  # DDP's gradient buckets exist from the start
