@@ -15,9 +15,10 @@ COMPILED: dict[Callable, Callable] = {}  # cached_compiled's versions, by the fu
 # Compiled training pads packed batches to one of this many lengths (train.data), each a multiple of 1024
 # tokens at least: every compiled kernel of the step compiles once per length.
 COMPILE_LENGTH_BUCKETS = 8
-# Per length a kernel compiles once, or twice (the diagonal merge: one diagonal key, a size dynamo specializes,
-# then any number; validation runs with gradients enabled, so it compiles nothing of its own). The limit leaves
-# a wide margin, because past it a function runs eagerly for the rest of the run (one warning, a slow run).
+# Per length a kernel compiles once; the diagonal merge once per number of diagonals, and once more when its
+# rows turn dynamic (attention.merge); validation runs with gradients enabled, so it compiles nothing of its own.
+# The limit leaves a wide margin, because past it a function runs eagerly for the rest of the run (one warning,
+# a slow run).
 RECOMPILE_LIMIT = 8 * COMPILE_LENGTH_BUCKETS
 
 
@@ -43,7 +44,8 @@ def compiled(fn: Callable, **kwargs) -> Callable:
 
 def cached_compiled(fn: Callable, compile: bool, dynamic: bool | None = False) -> Callable:
     """`fn` itself, or its torch.compile'd version (one per function, shared by all calls: `COMPILED`).
-    dynamic=None: static but in the dims marked dynamic (attention.merge.stacked_diagonals)."""
+    dynamic=None: dims turn dynamic as their sizes change (dynamo's default), but those marked static
+    (attention.merge) or dynamic (ttt.scorer)."""
     if not compile:
         return fn
     if fn not in COMPILED:

@@ -188,3 +188,29 @@ def test_compiled_step_with_both_switches_gives_the_eager_gradients(monkeypatch)
     assert_same(compiled, eager, exact=False)
     again = step(model, scorer, batch, MathMergedAttention(compile=True), BOTH, compile=True)  # cached kernels
     assert_same(again, compiled, exact=True)
+
+
+def test_the_compiled_merge_is_specialised_to_each_number_of_diagonals(monkeypatch):
+    """A checkpointed step runs the diagonal merge again in backward and must meet the graph its forward
+    ran. With the number of diagonals s a dynamic dimension, a graph compiled for a later step also served
+    the earlier steps' s: on the GPU at 65,536 Kimi-shaped tokens Inductor's 32-bit indexing guard fails from
+    s = 5 on, and the recomputation of steps 2..4 stopped with a CheckpointError. Each s has its own graph,
+    and a second pass over the steps compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from eagle3build import compilation
+    from eagle3build.attention.merge import merge_diagonal
+
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
+    monkeypatch.setattr(compilation, "COMPILED", {})
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(3)
+    q, out, lse = torch.randn(1, 4, 16, 8, generator=g), torch.randn(1, 4, 16, 8, generator=g), torch.randn(1, 4, 16, generator=g)
+    keys, values = ([torch.randn(1, 2, 16, 8, generator=g) for _ in range(4)] for _ in range(2))
+    graphs = []
+    for _ in range(2):
+        for s in range(1, 5):
+            merge_diagonal(q, out, lse, keys[:s], values[:s], 0.35, compile=True)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 3, 4, 4, 4, 4, 4]

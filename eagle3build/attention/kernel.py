@@ -181,7 +181,7 @@ class KernelAttention:
 
     def __call__(self, q, keys, values, doc, step, scale, rows=None):
         diag_k = diag_v = None
-        if len(keys) > 1:  # [1, nkv, R, s, hd], s marked dynamic: the saved tensors keep the mark for backward
+        if len(keys) > 1:  # [1, nkv, R, s, hd], s marked static: the saved tensors keep the mark for backward
             diag_k, diag_v = stacked_diagonals(keys[1:], values[1:], self.compile)
         seg = self.segments(doc, q.dtype)
         return _KernelMergedAttention.apply(

@@ -7,6 +7,14 @@ normalised together. The diagonal scores are N dot products per head, so the mer
 instead of attention over (s+1)·N keys, and the causal part can run on any kernel that returns its
 log-sum-exp (attention.flex, attention.kernel).
 
+Compiled, the merge keeps s static: one compilation per number of diagonals, each step its own. A
+checkpointed step (ttt.recompute) runs it again in backward and must meet the graph its forward ran; with
+s dynamic, a graph compiled for a later step also served the earlier steps (at 65,536 Kimi-shaped tokens
+Inductor's 32-bit indexing guard fails from s = 5 on, and the graph then compiled matched s = 2..4 too), and
+torch.utils.checkpoint stopped the step with a CheckpointError (BENCHMARKS.md §2, long sequences). The rows
+N may turn dynamic as batch lengths change: every step of a batch has the same N, so no step's compilation
+can serve another's.
+
 Shapes: q, outputs [1, nh, N, hd]; log-sum-exps [1, nh, N] (fp32, natural log, scale applied); stacked
 diagonals [1, nkv, N, s, hd]; query heads grouped by their kv head [1, nkv, g, N, ...] (g = nh / nkv).
 """
@@ -32,12 +40,11 @@ def token_major(t: torch.Tensor) -> torch.Tensor:
 
 def stacked_diagonals(keys, values, compile: bool = False):
     """The diagonal keys/values of steps 1..s stacked, [1, nkv, N, s, hd] each. compile: their s dim
-    marked dynamic, so the merge's kernels compile once for all steps (s = 1 is specialised: size-1
-    dims always are)."""
+    marked static (the module doc)."""
     diag_k, diag_v = torch.stack(keys, dim=-2), torch.stack(values, dim=-2)
-    if compile and len(keys) > 1:
-        torch._dynamo.mark_dynamic(diag_k, 3)
-        torch._dynamo.mark_dynamic(diag_v, 3)
+    if compile:
+        torch._dynamo.mark_static(diag_k, 3)
+        torch._dynamo.mark_static(diag_v, 3)
     return diag_k, diag_v
 
 
@@ -77,8 +84,7 @@ def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool
     Gradients reach q and the causal keys through `causal_lse`.
 
     q, causal_out [1, nh, N, hd]; causal_lse [1, nh, N] (natural log, scale applied);
-    keys/values: s tensors [1, nkv, N, hd]. compile: one fused kernel (the number of diagonals is
-    a dynamic dimension, so all steps share a compilation).
+    keys/values: s tensors [1, nkv, N, hd]. compile: one fused kernel per s (the module doc).
     """
     if not keys:
         return causal_out
