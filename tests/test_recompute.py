@@ -195,7 +195,8 @@ def test_the_compiled_merge_is_specialised_to_each_number_of_diagonals(monkeypat
     ran. With the number of diagonals s a dynamic dimension, a graph compiled for a later step also served
     the earlier steps' s: on the GPU at 65,536 Kimi-shaped tokens Inductor's 32-bit indexing guard fails from
     s = 5 on, and the recomputation of steps 2..4 stopped with a CheckpointError. Each s has its own graph,
-    and a second pass over the steps compiles nothing."""
+    and a second pass over the steps compiles nothing; other batch lengths compile each s once more (its rows
+    turn dynamic), then no more: compilation.RECOMPILE_LIMIT counts on that."""
     from torch._dynamo.utils import counters
 
     from eagle3build import compilation
@@ -206,11 +207,12 @@ def test_the_compiled_merge_is_specialised_to_each_number_of_diagonals(monkeypat
     torch._dynamo.reset()
     counters.clear()
     g = torch.Generator().manual_seed(3)
-    q, out, lse = torch.randn(1, 4, 16, 8, generator=g), torch.randn(1, 4, 16, 8, generator=g), torch.randn(1, 4, 16, generator=g)
-    keys, values = ([torch.randn(1, 2, 16, 8, generator=g) for _ in range(4)] for _ in range(2))
     graphs = []
-    for _ in range(2):
+    for rows in (16, 16, 24, 32):
+        q, out = torch.randn(1, 4, rows, 8, generator=g), torch.randn(1, 4, rows, 8, generator=g)
+        lse = torch.randn(1, 4, rows, generator=g)
+        keys, values = ([torch.randn(1, 2, rows, 8, generator=g) for _ in range(4)] for _ in range(2))
         for s in range(1, 5):
             merge_diagonal(q, out, lse, keys[:s], values[:s], 0.35, compile=True)
             graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [1, 2, 3, 4, 4, 4, 4, 4]
+    assert graphs == [1, 2, 3, 4] + [4] * 4 + [5, 6, 7, 8] + [8] * 4
