@@ -44,8 +44,8 @@ def compiled(fn: Callable, **kwargs) -> Callable:
 
 def cached_compiled(fn: Callable, compile: bool, dynamic: bool | None = False) -> Callable:
     """`fn` itself, or its torch.compile'd version (one per function, shared by all calls: `COMPILED`).
-    dynamic=None: dims turn dynamic as their sizes change (dynamo's default), but those marked static
-    (attention.merge) or dynamic (ttt.scorer)."""
+    dynamic=None: dims turn dynamic as their sizes change (dynamo's default), but those marked dynamic
+    (ttt.scorer); a list's length stays static (attention.merge: one compilation per number of diagonals)."""
     if not compile:
         return fn
     if fn not in COMPILED:

@@ -80,7 +80,11 @@ def test_dry_run_prints_the_kimi_memory_plan_without_running(tmp_path):
     ("kimi_derived", 8192, 48.36),
 ])
 def test_the_estimate_is_within_five_percent_of_the_recorded_peaks(preset, T, measured_gib):
-    estimate = bench.memory_estimate(bench.PRESETS[preset], T, 7)["total"]
+    """These peaks were measured while the diagonal merge kept its stacked keys and values for backward
+    (attention.merge keeps none now): 4 s kv bytes per row at step s, added to the estimate here."""
+    shape = bench.PRESETS[preset]
+    stacks = 4 * T * shape["kv_heads"] * shape["head_dim"] * 7 * 6 // 2 / 2**30
+    estimate = bench.memory_estimate(shape, T, 7)["total"] + stacks
     assert abs(estimate - measured_gib) < 0.05 * measured_gib, estimate
 
 

@@ -347,3 +347,58 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
     from eagle3build.ttt import forward
 
     assert len(_debug_get_cache_entry_list(forward._layer_out.__code__)) == 3
+
+
+@pytest.mark.parametrize("path", ["merge", "merge_compiled", "kernel", "kernel_compiled"])
+def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, monkeypatch):
+    """Step s's merge reads the diagonal keys/values of steps 1..s stacked; keeping that stack for backward
+    cost k(k - 1)/2 copies of one step's keys and values over k steps (4.6 GiB at T = 8192 for an MHA draft
+    of Kimi's width). Backward keeps the steps' own tensors, which the later steps' merges read anyway,
+    and nothing else of their size: the flex path's merge (eager and compiled) and the kernel path's."""
+    from eagle3build import compilation
+    from eagle3build.attention.kernel import KernelAttention
+    from eagle3build.attention.merged import MathMergedAttention
+
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
+    monkeypatch.setattr(compilation, "COMPILED", {})
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, hd, s = 4, 4, 16, 4
+    doc = torch.repeat_interleave(torch.arange(2), torch.tensor([40, 24]))
+    n = len(doc)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    q = rand(1, nh, n, hd)
+    keys, values = [rand(1, nkv, n, hd) for _ in range(s + 1)], [rand(1, nkv, n, hd) for _ in range(s + 1)]
+    compile = path.endswith("compiled")
+    attention = KernelAttention("flash", compile) if path.startswith("kernel") else MathMergedAttention(compile)
+    inputs = {t.untyped_storage().data_ptr() for t in [q, *keys, *values]}
+    kept = []
+
+    def pack(t):
+        kept.append((t.numel(), t.untyped_storage().data_ptr() in inputs))
+        return t
+
+    if path.startswith("merge"):  # the merge alone: the causal part is the flex kernel's on a GPU
+        from eagle3build.attention.merge import merge_diagonal
+
+        out, lse = causal_with_lse(q, keys[0], values[0], doc, hd**-0.5)
+        out, lse = out.detach().requires_grad_(), lse.detach().requires_grad_()
+        inputs |= {out.untyped_storage().data_ptr(), lse.untyped_storage().data_ptr()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            merged = merge_diagonal(q, out, lse, keys[1:], values[1:], hd**-0.5, compile)
+        leaves = [q, out, lse, *keys[1:], *values[1:]]
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            merged = attention(q, keys, values, doc, s, hd**-0.5)
+        leaves = [q, *keys, *values]
+    one_step = keys[0].numel()
+    new = [numel for numel, shared in kept if not shared and numel >= one_step]
+    if path != "merge":  # eager checkpointing keeps its inputs by reference, out of the hooks' sight
+        assert sum(shared for _, shared in kept) >= 2 * s, kept
+    # the kernel path keeps its own output and the zero-padded queries it ran at (q's size each), no stack
+    assert sum(new) <= (2 * nh * n * hd if path.startswith("kernel") else 0), kept
+    probe = torch.randn(merged.shape, generator=g)
+    grads = torch.autograd.grad((merged * probe).sum(), leaves)
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3build.attention.dense import reference_attention
-from eagle3build.attention.merge import merge_backward, merge_forward, stacked_diagonals, token_major
+from eagle3build.attention.merge import merge_backward, merge_forward, token_major
 from eagle3build.compilation import cached_compiled
 
 KERNELS = ("flash",)
@@ -124,28 +124,32 @@ def make_kernel(name):
 
 
 class _KernelMergedAttention(torch.autograd.Function):
-    """Causal attention over the step-0 keys by a kernel, merged with the diagonals; see the module doc."""
+    """Causal attention over the step-0 keys by a kernel, merged with the diagonals; see the module doc.
+    The diagonals come as s keys then s values, each [1, nkv, R, hd]: backward keeps them as they are (the
+    later steps read them too) and stacks them again, as attention.merge does, instead of keeping a stack."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, diag_k, diag_v, rows, kernel, seg, scale, compile):
+    def forward(ctx, q, k0, v0, rows, kernel, seg, scale, compile, *diagonals):
         if rows is None:
             every = q
         else:  # the kernel runs at its full length; the other rows' queries are 0 and their outputs dropped
             every = token_major(q.new_zeros(q.shape[0], seg.n, q.shape[1], q.shape[3])).index_copy(2, rows, q)
         causal_out, causal_lse = kernel.forward(every, k0, v0, seg, scale)
         at_rows = (causal_out, causal_lse) if rows is None else (causal_out[:, :, rows], causal_lse[:, :, rows])
-        if diag_k is None:
+        s = len(diagonals) // 2
+        if s == 0:
             out, lse = at_rows[0], at_rows[1]
         else:
-            out, lse = cached_compiled(merge_forward, compile, dynamic=None)(q, *at_rows, diag_k, diag_v, scale)
-        ctx.save_for_backward(q, every, k0, v0, diag_k, diag_v, out, lse, causal_lse, rows)
-        ctx.kernel, ctx.seg, ctx.scale, ctx.compile = kernel, seg, scale, compile
+            keys, values = list(diagonals[:s]), list(diagonals[s:])
+            out, lse = cached_compiled(merge_forward, compile, dynamic=None)(q, *at_rows, keys, values, scale)
+        ctx.save_for_backward(q, every, k0, v0, out, lse, causal_lse, rows, *diagonals)
+        ctx.kernel, ctx.seg, ctx.scale, ctx.compile, ctx.s = kernel, seg, scale, compile, s
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, every, k0, v0, diag_k, diag_v, out, lse, causal_lse, rows = ctx.saved_tensors
-        kernel, seg, scale = ctx.kernel, ctx.seg, ctx.scale
+        q, every, k0, v0, out, lse, causal_lse, rows, *diagonals = ctx.saved_tensors
+        kernel, seg, scale, s = ctx.kernel, ctx.seg, ctx.scale, ctx.s
         if rows is None:
             dq, dk0, dv0 = kernel.backward(dout, every, k0, v0, out, lse, seg, scale)
         else:  # rows without a query get dout = 0, so they add nothing; their lse only needs to be finite
@@ -155,13 +159,14 @@ class _KernelMergedAttention(torch.autograd.Function):
                 causal_lse.index_copy(2, rows, lse), seg, scale,
             )  # fmt: skip
             dq = dq[:, :, rows]
-        d_diag_k = d_diag_v = None
-        if diag_k is not None:
-            dq_diag, d_diag_k, d_diag_v = cached_compiled(merge_backward, ctx.compile, dynamic=None)(
-                dout, q, out, lse, diag_k, diag_v, scale
+        d_diagonals = ()
+        if s:
+            dq_diag, d_keys, d_values = cached_compiled(merge_backward, ctx.compile, dynamic=None)(
+                dout, q, out, lse, diagonals[:s], diagonals[s:], scale
             )
             dq = (dq.float() + dq_diag).to(q.dtype)
-        return dq, dk0, dv0, d_diag_k, d_diag_v, None, None, None, None, None
+            d_diagonals = (*d_keys.unbind(-2), *d_values.unbind(-2))  # [1, nkv, R, s, hd] -> s x [1, nkv, R, hd]
+        return dq, dk0, dv0, None, None, None, None, None, *d_diagonals
 
 
 class KernelAttention:
@@ -180,12 +185,9 @@ class KernelAttention:
         return self._segments
 
     def __call__(self, q, keys, values, doc, step, scale, rows=None):
-        diag_k = diag_v = None
-        if len(keys) > 1:  # [1, nkv, R, s, hd], s marked static: the saved tensors keep the mark for backward
-            diag_k, diag_v = stacked_diagonals(keys[1:], values[1:], self.compile)
         seg = self.segments(doc, q.dtype)
         return _KernelMergedAttention.apply(
-            q, keys[0], values[0], diag_k, diag_v, rows, self.kernel, seg, scale, self.compile
+            q, keys[0], values[0], rows, self.kernel, seg, scale, self.compile, *keys[1:], *values[1:]
         )
 
 

@@ -43,11 +43,11 @@ def memory_estimate(
       `weight_shards` processes holds a shard of the trainable weights' share (the frozen ones whole).
     layers: per TTT step, what backward keeps: at each computed row (T at step 0, the M loss rows after)
       its input, attention output, residual sum and gate/up (2 (2 H + nh hd + 2 I) bytes), at every
-      token q, output, k, v and the log-sum-exp (2 (2 nh hd + 2 nkv hd) + 4 nh), and at step s the stacked
-      diagonal keys and values of steps 1..s at its rows (4 s nkv hd); Inductor recomputes the norms, RoPE
-      and SiLU. A checkpointed step (all of them, or the first N: train.activation_checkpointing)
-      keeps its output and keys/values (2 (H + 2 nkv hd)); one step's activations live while backward
-      recomputes it, after the later, uncheckpointed steps' are freed.
+      token q, output, k, v and the log-sum-exp (2 (2 nh hd + 2 nkv hd) + 4 nh); Inductor recomputes the
+      norms, RoPE and SiLU, and the diagonal merge keeps only its inputs (attention.merge). A checkpointed
+      step (all of them, or the first N: train.activation_checkpointing) keeps its output and keys/values
+      (2 (H + 2 nkv hd)); one step's activations live while backward recomputes it, after the later,
+      uncheckpointed steps' are freed.
     loss: the [M, k, H] states and their normed copy (4 H per row and step) and the [rows, k, K] logits
       with their gradient, bf16 (4 K per row and step), over all M rows or one chunk of loss_chunk.
     data: aux and final states, the embedding half of q/k/v (bf16) and the target distribution (fp32 M K);
@@ -70,11 +70,8 @@ def memory_estimate(
     step_rows = [T] + [M] * (ttt - 1)  # rows each step computes
     # Backward meets the steps last to first: the checkpointed first c recompute (one at a time, at most
     # step 0's T rows) after the later steps' activations are freed, so the larger of the two is live.
-    # Step s's attention stacks the diagonal keys/values of steps 1..s at its rows (attention.merge), new
-    # tensors that its backward keeps: the sum over steps grows with k², and with kv (MHA drafts).
-    diagonals = [4 * s * step_rows[s] * kv for s in range(ttt)]
-    kept = sum(step_rows[c:]) * row + (ttt - c) * T * token + sum(diagonals[c:])
-    layers = sum(step_rows[:c]) * 2 * (H + 2 * kv) + max(kept, T * (row + token) + diagonals[c - 1] if c else 0)
+    kept = sum(step_rows[c:]) * row + (ttt - c) * T * token
+    layers = sum(step_rows[:c]) * 2 * (H + 2 * kv) + max(kept, T * (row + token) if c else 0)
     loss = M * ttt * 4 * H + min(M, loss_chunk or M) * ttt * 4 * K
     data = T * (8 * H + 2 * (q + 2 * kv) + (12 * H if shape.get("aux_norm") else 0)) + M * 4 * K
     parts = dict(static=static, layers=layers, loss=loss, data=data)
