@@ -357,7 +357,6 @@ def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, mo
     and nothing else of their size: the flex path's merge (eager and compiled) and the kernel path's."""
     from eagle3build import compilation
     from eagle3build.attention.kernel import KernelAttention
-    from eagle3build.attention.merged import MathMergedAttention
 
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
     monkeypatch.setattr(compilation, "COMPILED", {})
@@ -372,7 +371,6 @@ def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, mo
     q = rand(1, nh, n, hd)
     keys, values = [rand(1, nkv, n, hd) for _ in range(s + 1)], [rand(1, nkv, n, hd) for _ in range(s + 1)]
     compile = path.endswith("compiled")
-    attention = KernelAttention("flash", compile) if path.startswith("kernel") else MathMergedAttention(compile)
     inputs = {t.untyped_storage().data_ptr() for t in [q, *keys, *values]}
     kept = []
 
@@ -390,6 +388,7 @@ def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, mo
             merged = merge_diagonal(q, out, lse, keys[1:], values[1:], hd**-0.5, compile)
         leaves = [q, out, lse, *keys[1:], *values[1:]]
     else:
+        attention = KernelAttention("flash", compile)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             merged = attention(q, keys, values, doc, s, hd**-0.5)
         leaves = [q, *keys, *values]

@@ -143,13 +143,13 @@ class _KernelMergedAttention(torch.autograd.Function):
             keys, values = list(diagonals[:s]), list(diagonals[s:])
             out, lse = cached_compiled(merge_forward, compile, dynamic=None)(q, *at_rows, keys, values, scale)
         ctx.save_for_backward(q, every, k0, v0, out, lse, causal_lse, rows, *diagonals)
-        ctx.kernel, ctx.seg, ctx.scale, ctx.compile, ctx.s = kernel, seg, scale, compile, s
+        ctx.kernel, ctx.seg, ctx.scale, ctx.compile = kernel, seg, scale, compile
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, every, k0, v0, out, lse, causal_lse, rows, *diagonals = ctx.saved_tensors
-        kernel, seg, scale, s = ctx.kernel, ctx.seg, ctx.scale, ctx.s
+        kernel, seg, scale, s = ctx.kernel, ctx.seg, ctx.scale, len(diagonals) // 2
         if rows is None:
             dq, dk0, dv0 = kernel.backward(dout, every, k0, v0, out, lse, seg, scale)
         else:  # rows without a query get dout = 0, so they add nothing; their lse only needs to be finite
