@@ -92,17 +92,23 @@ def test_a_norm_before_fc_adds_what_its_backward_keeps_of_the_aux_states():
         assert abs(extra - 12 * 7168 * T / 2**30) < 0.011
 
 
-def test_an_mha_draft_keeps_each_steps_keys_and_values_and_no_stack_of_them():
-    """Step s's merge reads the diagonal keys/values of steps 1..s stacked, but keeps only the steps' own
-    tensors for backward (attention.merge; tests/test_ttt_fast.py checks what it keeps): an MHA draft
-    (Kimi's derived 64 KV heads) costs its wider k and v per token and step, nothing that grows with k².
-    With the stacks kept, the derived head's measured peak at T = 8192 was 48.4 GiB (H200,
-    bench/results/train_throughput_kimi_derived.json): 4.6 GiB of them."""
+def test_backward_holds_every_steps_key_value_gradients_which_an_mha_draft_feels_most():
+    """Backward accumulates the gradients of the keys and values that later steps read (step 0's at every
+    token, each diagonal's at its rows) from the last step's backward until each step's own. At the MHA
+    draft Kimi's config derives (64 KV heads x 112) they outweigh what a step's rows keep: with both switches
+    it ran out of memory on an H100 (79.2 GiB) at 49,152 tokens and peaked at 70.7 GiB at 40,960
+    (bench/results/train_throughput_kimi_derived.json); the estimate without them was 69.8 and 62.2."""
     import dataclasses
 
-    gqa, mha = shape_of(KIMI), shape_of(dataclasses.replace(KIMI, num_key_value_heads=56))
-    kv_gqa, kv_mha = 8 * 128, 56 * 128
-    for T, k in ((4096, 7), (8192, 7), (8192, 3)):
-        diff = memory_estimate(mha, T, k)["layers"] - memory_estimate(gqa, T, k)["layers"]
-        per_token = 2 * 2 * (kv_mha - kv_gqa) * k  # each step's k and v
-        assert abs(diff - T * per_token / 2**30) < 0.011, (T, k, diff)
+    derived = dataclasses.replace(KIMI, num_attention_heads=64, num_key_value_heads=64, head_dim=112,
+                                  norm_before_fc=True)
+    gqa, mha = shape_of(KIMI), shape_of(derived)
+    p = resolve_params({"batch_tokens": 40960, "activation_checkpointing": True, "loss_chunk_tokens": 2048})
+    assert "may run out" not in memory_note(derived, p, H100_GIB)
+    assert "may run out" in memory_note(derived, {**p, "batch_tokens": 49152}, H100_GIB)
+    for T in (8192, 40960):  # all steps checkpointed: backward recomputes step 6 beside the k/v gradients
+        both = [memory_estimate(shape, T, 7, 1.0, True, 2048)["layers"] for shape in (gqa, mha)]
+        kept = 7 * T * 2 * (7168 + 2 * 64 * 112) + T * (2 * (2 * 7168 + 64 * 112 + 2 * 18432) + 2 * 4 * 64 * 112
+                                                        + 4 * 64)
+        assert abs(both[1] - (kept + 7 * T * 4 * 64 * 112) / 2**30) < 0.011, (T, both)
+        assert both[1] - both[0] > T * 7 * 4 * (64 * 112 - 8 * 128) / 2**30  # the gradients grow with kv width

@@ -401,3 +401,43 @@ def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, mo
     probe = torch.randn(merged.shape, generator=g)
     grads = torch.autograd.grad((merged * probe).sum(), leaves)
     assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+
+
+def test_the_merge_never_holds_several_steps_keys_in_one_tensor():
+    """A stack of the diagonals of steps 1..s lived, with its gradient, while step s's backward ran: 14 GiB
+    at 49,152 tokens for the MHA draft Kimi's config derives, out of memory on an 80 GB card. The merge
+    reads the steps one by one: no tensor that its forward or backward makes (the flex path's, with
+    autograd, and the kernel path's explicit backward) is bigger than one step's keys (MHA: a query's
+    heads are its key's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eagle3build.attention.merge import merge_backward, merge_diagonal, merge_forward
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(6)
+    nh, hd, s = 4, 16, 5
+    doc = torch.zeros(48, dtype=torch.long)
+    n = len(doc)
+    q, *diag = (torch.randn(1, nh, n, hd, generator=g).requires_grad_() for _ in range(1 + 2 * (s + 1)))
+    keys, values = diag[: s + 1], diag[s + 1 :]
+    out, lse = causal_with_lse(q, keys[0], values[0], doc, hd**-0.5)
+    out, lse = out.detach().requires_grad_(), lse.detach().requires_grad_()
+    one_step = keys[0].numel()
+    with Largest() as flex:
+        merged = merge_diagonal(q, out, lse, keys[1:], values[1:], hd**-0.5)
+        merged.backward(torch.randn(merged.shape, generator=g))
+    with Largest() as kernel:
+        merged, merged_lse = merge_forward(q, out, lse, keys[1:], values[1:], hd**-0.5)
+        dq, dks, dvs = merge_backward(torch.randn(merged.shape, generator=g), q, merged, merged_lse, keys[1:],
+                                      values[1:], hd**-0.5)
+    assert flex.numel <= one_step and kernel.numel <= one_step, (flex.numel, kernel.numel, one_step)
+    assert len(dks) == len(dvs) == s and dks[0].shape == keys[1].shape

@@ -126,7 +126,7 @@ def make_kernel(name):
 class _KernelMergedAttention(torch.autograd.Function):
     """Causal attention over the step-0 keys by a kernel, merged with the diagonals; see the module doc.
     The diagonals come as s keys then s values, each [1, nkv, R, hd]: backward keeps them as they are (the
-    later steps read them too) and stacks them again, as attention.merge does, instead of keeping a stack."""
+    later steps read them too) and reads them one by one, as attention.merge does."""
 
     @staticmethod
     def forward(ctx, q, k0, v0, rows, kernel, seg, scale, compile, *diagonals):
@@ -165,7 +165,7 @@ class _KernelMergedAttention(torch.autograd.Function):
                 dout, q, out, lse, diagonals[:s], diagonals[s:], scale
             )
             dq = (dq.float() + dq_diag).to(q.dtype)
-            d_diagonals = (*d_keys.unbind(-2), *d_values.unbind(-2))  # [1, nkv, R, s, hd] -> s x [1, nkv, R, hd]
+            d_diagonals = (*d_keys, *d_values)  # s keys' then s values' [1, nkv, R, hd]
         return dq, dk0, dv0, None, None, None, None, None, *d_diagonals
 
 

@@ -7,12 +7,14 @@ normalised together. The diagonal scores are N dot products per head, so the mer
 instead of attention over (s+1)·N keys, and the causal part can run on any kernel that returns its
 log-sum-exp (attention.flex, attention.kernel).
 
-The diagonals come in as lists, one tensor per step, and are stacked inside the merge; its backward keeps
-the steps' own keys and values, which the later steps' merges read too, and no stacked copy: step s's
-merge runs again in backward (it is elementwise work, O(N·s·hd)), so a stack per step, k(k - 1)/2 copies
-of one step's keys and values over the k steps (4.6 GiB at T = 8192 for an MHA draft of Kimi's width),
-lives only while its step's backward runs. The kernel path (attention.kernel) does the same in its own
-autograd function.
+The diagonals come in as lists, one tensor per step, and the merge reads them one by one: no tensor holds
+the keys (or values) of several steps. Its backward keeps the steps' own keys and values, which the later
+steps' merges read too, and nothing else of size N·hd per step: step s's merge runs again in backward (it
+is elementwise work, O(N·s·hd)). Stacking the diagonals cost k(k - 1)/2 copies of one step's keys and
+values over the k steps when backward kept the stacks (4.6 GiB at T = 8192 for an MHA draft of Kimi's
+width), and still two stacks of s steps, and their gradient, while step s's backward ran (14 GiB at 49,152
+tokens for that draft: out of memory on an 80 GB card). The kernel path (attention.kernel) pairs
+`merge_forward` with `merge_backward` in its own autograd function.
 
 Compiled, the merge is specialised to each number of diagonals s: torch.compile guards on a list's length,
 so each step has its own graph. A checkpointed step (ttt.recompute) runs the merge again in backward and
@@ -22,8 +24,9 @@ on, and the graph then compiled matched s = 2..4 too), and torch.utils.checkpoin
 CheckpointError (BENCHMARKS.md §2, long sequences). The rows N may turn dynamic as batch lengths change:
 every step of a batch has the same N, so no step's compilation can serve another's.
 
-Shapes: q, outputs [1, nh, N, hd]; log-sum-exps [1, nh, N] (fp32, natural log, scale applied); stacked
-diagonals [1, nkv, N, s, hd]; query heads grouped by their kv head [1, nkv, g, N, ...] (g = nh / nkv).
+Shapes: q, outputs [1, nh, N, hd]; log-sum-exps [1, nh, N] (fp32, natural log, scale applied); each
+diagonal key or value [1, nkv, N, hd]; query heads grouped by their kv head [1, nkv, g, N, ...] (g = nh / nkv).
+Products of an fp32 weight and a bf16 tensor promote to fp32, and autograd then keeps the bf16 tensor.
 """
 
 from __future__ import annotations
@@ -46,42 +49,39 @@ def token_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def stacked(tensors) -> torch.Tensor:
-    """The diagonal keys (or values) of steps 1..s, s tensors [1, nkv, N, hd], as one [1, nkv, N, s, hd]."""
-    return torch.stack(tensors, dim=-2)
-
-
 def merge_forward(q, causal_out, causal_lse, keys, values, scale):
     """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
     (output and log-sum-exp of the causal attention) and the diagonals, s keys and values [1, nkv, N, hd].
     merge_diagonal differentiates it with autograd; attention.kernel pairs it with `merge_backward`."""
-    diag_k, diag_v = stacked(keys), stacked(values)  # [1, nkv, N, s, hd]
-    nkv = diag_k.shape[1]
-    diag_scores = (grouped_heads(q, nkv).unsqueeze(-2) * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
-    scores = torch.cat((grouped_heads(causal_lse, nkv).unsqueeze(-1).float(), diag_scores), dim=-1)
+    nkv = keys[0].shape[1]
+    qg = grouped_heads(q, nkv)  # [1, nkv, g, N, hd]
+    scores = torch.stack(
+        [grouped_heads(causal_lse, nkv).float()] + [(qg * k.unsqueeze(2)).float().sum(-1) * scale for k in keys], -1
+    )  # [1, nkv, g, N, 1 + s]
     lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
     weights = torch.exp(scores - lse.unsqueeze(-1))
-    out = weights[..., :1] * grouped_heads(causal_out, nkv).float() + (
-        weights[..., 1:].unsqueeze(-1) * diag_v.unsqueeze(2).float()
-    ).sum(-2)
+    out = weights[..., 0, None] * grouped_heads(causal_out, nkv)  # fp32 [1, nkv, g, N, hd]
+    for i, v in enumerate(values, 1):
+        out = out + weights[..., i, None] * v.unsqueeze(2)
     return token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
 
 
 def merge_backward(dout, q, out, lse, keys, values, scale):
     """The diagonal keys' share of the merged softmax's gradient, given the merged output `out` and
-    log-sum-exp `lse`: dq (fp32) and the diagonals' dk, dv, stacked [1, nkv, N, s, hd]. (The causal keys'
-    share is what a kernel's backward computes from the same `out` and `lse`: attention.kernel.)"""
-    diag_k, diag_v = stacked(keys), stacked(values)
-    nkv = diag_k.shape[1]
-    delta = (dout.float() * out.float()).sum(-1)  # [1, nh, N]: what the kernel's backward computes too
-    qg, dog = grouped_heads(q, nkv).unsqueeze(-2), grouped_heads(dout, nkv).unsqueeze(-2)  # [1, nkv, g, N, 1, hd]
-    diag_scores = (qg * diag_k.unsqueeze(2)).float().sum(-1) * scale  # [1, nkv, g, N, s]
-    weights = torch.exp(diag_scores - grouped_heads(lse, nkv).unsqueeze(-1))
-    d_scores = weights * ((dog * diag_v.unsqueeze(2)).float().sum(-1) - grouped_heads(delta, nkv).unsqueeze(-1)) * scale
-    dq = (d_scores.unsqueeze(-1) * diag_k.unsqueeze(2).float()).sum(-2).flatten(1, 2)  # [1, nh, N, hd]
-    dk = (d_scores.unsqueeze(-1) * qg.float()).sum(2)  # [1, nkv, N, s, hd]
-    dv = (weights.unsqueeze(-1) * dog.float()).sum(2)
-    return dq, dk.to(diag_k.dtype), dv.to(diag_v.dtype)
+    log-sum-exp `lse`: dq (fp32) and the diagonals' dk, dv, lists of s tensors [1, nkv, N, hd]. (The causal
+    keys' share is what a kernel's backward computes from the same `out` and `lse`: attention.kernel.)"""
+    nkv = keys[0].shape[1]
+    delta = grouped_heads((dout.float() * out.float()).sum(-1), nkv)  # [1, nkv, g, N]: the kernel's backward's too
+    qg, dog, lse_g = grouped_heads(q, nkv), grouped_heads(dout, nkv), grouped_heads(lse, nkv)  # [1, nkv, g, N, ...]
+    dq, dks, dvs = 0, [], []
+    for k, v in zip(keys, values, strict=True):
+        kg, vg = k.unsqueeze(2), v.unsqueeze(2)  # [1, nkv, 1, N, hd]
+        weight = torch.exp((qg * kg).float().sum(-1) * scale - lse_g)  # [1, nkv, g, N]
+        d_score = weight * ((dog * vg).float().sum(-1) - delta) * scale
+        dq = dq + d_score.unsqueeze(-1) * kg
+        dks.append((d_score.unsqueeze(-1) * qg).sum(2).to(k.dtype))  # [1, nkv, N, hd]
+        dvs.append((weight.unsqueeze(-1) * dog).sum(2).to(v.dtype))
+    return dq.flatten(1, 2), dks, dvs
 
 
 def merge_diagonal(q, causal_out, causal_lse, keys, values, scale, compile: bool = False):

@@ -47,7 +47,10 @@ def memory_estimate(
       norms, RoPE and SiLU, and the diagonal merge keeps only its inputs (attention.merge). A checkpointed
       step (all of them, or the first N: train.activation_checkpointing) keeps its output and keys/values
       (2 (H + 2 nkv hd)); one step's activations live while backward recomputes it, after the later,
-      uncheckpointed steps' are freed.
+      uncheckpointed steps' are freed. Beside them, backward accumulates the gradients of the keys and
+      values that later steps read (step 0's at every token, each diagonal's at its rows: 4 nkv hd bytes
+      per row) from the last step's backward until each step's own: with an MHA draft they outweigh what a
+      step's rows keep (7.7 GiB at 40,960 tokens for the 64 KV heads × 112 that Kimi's config derives).
     loss: the [M, k, H] states and their normed copy (4 H per row and step) and the [rows, k, K] logits
       with their gradient, bf16 (4 K per row and step), over all M rows or one chunk of loss_chunk.
     data: aux and final states, the embedding half of q/k/v (bf16) and the target distribution (fp32 M K);
@@ -71,7 +74,14 @@ def memory_estimate(
     # Backward meets the steps last to first: the checkpointed first c recompute (one at a time, at most
     # step 0's T rows) after the later steps' activations are freed, so the larger of the two is live.
     kept = sum(step_rows[c:]) * row + (ttt - c) * T * token
-    layers = sum(step_rows[:c]) * 2 * (H + 2 * kv) + max(kept, T * (row + token) if c else 0)
+
+    def kv_grads(j):  # bf16 gradients of the keys/values of steps 0..j, all live while step j's attention runs backward
+        return 2 * 2 * kv * (T + j * M)
+
+    # the last step's attention backward: its rows' part freed, the k/v gradients of every step there
+    in_last = kept - step_rows[-1] * row + kv_grads(ttt - 1) if c < ttt else 0
+    in_recomputed = T * (row + token) + kv_grads(c - 1) if c else 0
+    layers = sum(step_rows[:c]) * 2 * (H + 2 * kv) + max(kept, in_last, in_recomputed)
     loss = M * ttt * 4 * H + min(M, loss_chunk or M) * ttt * 4 * K
     data = T * (8 * H + 2 * (q + 2 * kv) + (12 * H if shape.get("aux_norm") else 0)) + M * 4 * K
     parts = dict(static=static, layers=layers, loss=loss, data=data)
