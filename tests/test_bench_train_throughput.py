@@ -119,6 +119,33 @@ def test_recorded_kimi_run_holds_what_benchmarks_md_states():
         assert 40 < last < first
 
 
+def test_recorded_derived_kimi_run_shows_what_the_merge_no_longer_keeps():
+    """The derived head on one H100: the merge that keeps its stacks (a4bdf37), recomputes them (cf9a533) and
+    reads the steps one by one (now), at T = 8192 (the same losses, 4.6 GiB less), and the longest length
+    with both switches that fits (40,960; 49,152 ran out of memory, as the estimate says)."""
+    runs = json.loads((BENCH / "results" / "train_throughput_kimi_derived.json").read_text())["runs"]
+    run = next(r for r in runs if r["device"] == "NVIDIA H100 80GB HBM3")
+    rows = {(r["T"], r["commit"]): r for r in run["results"]}
+    kept, now = rows[8192, "a4bdf37"], rows[8192, run["commit"]]
+    for r in (kept, rows[8192, "cf9a533"]):  # the same step: its losses to fp32 rounding over the 8 steps
+        assert max(abs(a - b) for a, b in zip(r["losses"], now["losses"], strict=True)) < 1e-3
+    assert kept["peak_mem_gib"] - now["peak_mem_gib"] > 4.5 and now["tokens_per_s"] >= kept["tokens_per_s"]
+    assert rows[40960, run["commit"]]["ok"] and rows[40960, run["commit"]]["peak_mem_gib"] < 80e9 / 2**30
+    assert not rows[49152, run["commit"]]["ok"] and "OutOfMemoryError" in rows[49152, run["commit"]]["error"]
+    for r in (now, rows[40960, run["commit"]]):
+        assert abs(r["peak_estimate_gib"]["total"] - r["peak_mem_gib"]) < 1.0
+
+
+def test_recorded_same_attention_run_holds_what_benchmarks_md_states():
+    """T = 8192 at the Kimi shape with every trainer computing the whole causal attention (speculators'
+    sliding window off): ours against the peer that trains the same weights."""
+    (run,) = json.loads((BENCH / "results" / "train_throughput_kimi_same_attention.json").read_text())["runs"]
+    trained, frozen = sorted(run["results"], key=lambda r: r["freeze_lm_head"])
+    assert trained["peers"]["speculators"]["sliding_window"] == 0 and trained["T"] == frozen["T"] == 8192
+    assert (trained["ratio_vs_specforge"], frozen["ratio_vs_speculators"]) == (1.265, 1.275)
+    assert trained["ratio_vs_faster_peer"] == 1.168 and round(trained["peak_mem_gib"], 1) == 38.6
+
+
 def test_peers_attach_by_their_length_and_k_whatever_their_tag(tmp_path):
     lines = [
         {"peer": "specforge", "tag": "sf_kimi_T4096", "seq": 4096, "ttt": 7, "ok": True, "tokens_per_s": 12000.0},
@@ -152,8 +179,9 @@ def test_the_derived_kimi_preset_builds_the_head_the_kimi_config_trains():
 def test_recorded_derived_kimi_peaks_are_the_ones_the_estimate_is_checked_against():
     """The head configs/kimi-k2.5.yaml trains (64 query and 64 KV heads x 112, a norm before fc), beside the
     GQA preset measured on the same H200 while it was held (one machine, one commit)."""
-    derived = json.loads((BENCH / "results" / "train_throughput_kimi_derived.json").read_text())["runs"][0]
-    assert derived["device"] == "NVIDIA H200" and derived["preset"] == "kimi_derived"
+    runs = json.loads((BENCH / "results" / "train_throughput_kimi_derived.json").read_text())["runs"]
+    derived = next(r for r in runs if r["device"] == "NVIDIA H200")
+    assert derived["preset"] == "kimi_derived"
     assert derived["shape"]["kv_heads"] == 64 and derived["shape"]["head_dim"] == 112 and derived["shape"]["aux_norm"]
     peaks = {r["T"]: round(r["peak_mem_gib"], 2) for r in derived["results"] if r["ok"]}
     assert peaks == {4096: 35.14, 8192: 48.36}
