@@ -112,3 +112,24 @@ def test_backward_holds_every_steps_key_value_gradients_which_an_mha_draft_feels
                                                         + 4 * 64)
         assert abs(both[1] - (kept + 7 * T * 4 * 64 * 112) / 2**30) < 0.011, (T, both)
         assert both[1] - both[0] > T * 7 * 4 * (64 * 112 - 8 * 128) / 2**30  # the gradients grow with kv width
+
+
+def test_ddp_that_no_switch_fits_is_told_to_shard_with_fsdp():
+    """The derived Kimi head at 65,536 tokens on the 8 x 96 GB host: no switch makes DDP's step fit (97.1 GiB
+    with both, its gradient buckets besides), FSDP's shards with five checkpointed steps and the chunked loss
+    do; one process, or a batch nothing fits, is still told to lower train.batch_tokens."""
+    import dataclasses
+
+    derived = dataclasses.replace(KIMI, num_attention_heads=64, num_key_value_heads=64, head_dim=112,
+                                  norm_before_fc=True)
+    p = resolve_params({"batch_tokens": 65536})
+    note = memory_note(derived, p, 95.6, world_size=8)
+    assert "set train.fsdp: true, train.activation_checkpointing: 5, train.loss_chunk_tokens: 2048 (estimate 81.6" in note
+    assert "sharded over the processes and some recomputation in backward" in note
+    est = float(re.search(r"\(estimate ([\d.]+) GiB", note).group(1))
+    assert est <= FIT_SHARE * 95.6
+    assert note.endswith("or lower train.batch_tokens")
+    assert memory_note(derived, p, 95.6).endswith("may run out of memory; lower train.batch_tokens")
+    assert "train.fsdp" not in memory_note(derived, {**p, "batch_tokens": 32768}, 95.6, world_size=8)
+    assert memory_note(derived, {**p, "batch_tokens": 131072}, 95.6, world_size=8).endswith(
+        "may run out of memory; lower train.batch_tokens")

@@ -92,15 +92,15 @@ def memory_estimate(
 
 
 def fitting_switches(shape: dict, T: int, ttt: int, budget_gib: float, frozen_lm_head: bool = False,
-                     weight_shards: int = 1) -> dict | None:
+                     weight_shards: int = 1, plain: bool = False) -> dict | None:
     """The memory switches (train keys) whose estimate at T tokens, every row with a loss, is within
     `budget_gib`, at the least recomputation: a checkpointed step costs one more forward of the layer, the
-    chunked loss one more lm_head forward per step (their FLOPs per row order the options); None when
-    nothing fits."""
+    chunked loss one more lm_head forward per step (their FLOPs per row order the options); `plain`: none
+    of them is an option too ({} when the step fits as it is). None when nothing fits."""
     H, q, kv = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * shape["intermediate"]  # multiply-adds per row, one step
     lm_head = ttt * H * shape["draft_vocab"]
-    options = [(n * layer + chunk * lm_head, n, chunk) for n in range(ttt) for chunk in (0, 1) if n or chunk]
+    options = [(n * layer + chunk * lm_head, n, chunk) for n in range(ttt) for chunk in (0, 1) if n or chunk or plain]
     for _, n, chunk in sorted(options):
         total = memory_estimate(shape, T, ttt, 1.0, n, 2048 * chunk, frozen_lm_head, weight_shards)["total"]
         if total <= budget_gib:
@@ -113,7 +113,8 @@ def memory_check(config: DraftConfig, p: dict, device_gib: float, world_size: in
     """Whether the step's estimated peak at train.batch_tokens fits FIT_SHARE of the device, and the note
     training logs before its first step (the preflight reports it too): the estimate beside the device's
     memory, and, where it would not fit, the train keys that would (or a smaller batch). `world_size`
-    processes train with DDP (its gradient buckets on each), or with FSDP (train.fsdp: a shard each)."""
+    processes train with DDP (its gradient buckets on each), or with FSDP (train.fsdp: a shard each); where
+    no switch makes a DDP step fit, FSDP is proposed, with the switches it still needs."""
     fsdp = uses_fsdp(p, world_size)
     ddp, fsdp_shards = world_size > 1 and not fsdp, world_size if fsdp else 1
     shape, T, ttt, frozen = shape_of(config), int(p["batch_tokens"]), int(p["ttt_steps"]), p["freeze_lm_head"]
@@ -126,11 +127,17 @@ def memory_check(config: DraftConfig, p: dict, device_gib: float, world_size: in
     if total <= budget:
         return True, note
     fit = fitting_switches(shape, T, ttt, budget - ddp_gib, frozen, fsdp_shards)
+    if fit is None and ddp:  # FSDP's shards of the trained weights' state, with the switches it still needs
+        fit = fitting_switches(shape, T, ttt, budget, frozen, world_size, plain=True)
+        ddp_gib = 0.0
+        fit = None if fit is None else {"fsdp": "true", **fit}
     if fit is None:
         return False, f"{note}: it may run out of memory; lower train.batch_tokens"
     keys = ", ".join(f"train.{k}: {v}" for k, v in fit.items() if k != "estimate_gib")
+    how = ["the weights' state sharded over the processes"] if "fsdp" in fit else []
+    how += ["some recomputation in backward"] if set(fit) - {"fsdp", "estimate_gib"} else []
     return False, (f"{note}: it may run out of memory; set {keys} (estimate {fit['estimate_gib'] + ddp_gib:.1f} GiB: "
-                   "the same weights, some recomputation in backward) or lower train.batch_tokens")
+                   f"the same weights, {' and '.join(how)}) or lower train.batch_tokens")
 
 
 def memory_note(config: DraftConfig, p: dict, device_gib: float, world_size: int = 1) -> str:
