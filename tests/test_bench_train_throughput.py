@@ -1,9 +1,11 @@
-"""bench/train_throughput.py: its CPU smoke run with the memory switches, its --dry memory plan at the Kimi
+"""bench/train_throughput.py (and bench/train_vs_peers.sh, which runs it beside the peers): its CPU smoke run with
+the memory switches, its --dry memory plan at the Kimi
 shape, and the memory estimate against the peaks the GPU runs recorded."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +192,33 @@ def test_recorded_derived_kimi_peaks_are_the_ones_the_estimate_is_checked_agains
     (k8192,) = [r for r in kimi["results"] if r["T"] == 8192]
     (d8192,) = [r for r in derived["results"] if r["T"] == 8192]
     assert round(k8192["peak_mem_gib"], 2) == 39.3 and 0.8 < d8192["tokens_per_s"] / k8192["tokens_per_s"] < 0.9
+
+
+def test_train_vs_peers_runs_both_peers_then_ours_trained_and_frozen_in_one_call(tmp_path):
+    """bench/train_vs_peers.sh with a stand-in for peer-train-bench's run.sh (one result line per config, as
+    the real one writes): each peer is asked for its own config with the shape and the extra arguments, and
+    ours runs twice with the peers' numbers beside it; what comes back is a few files, no working folders."""
+    peers = tmp_path / "peer-train-bench"
+    peers.mkdir()
+    (peers / "run.sh").write_text(
+        'mkdir -p "$OUT"; peer=specforge; case $ANCHOR_ONLY in spec*) peer=speculators;; esac\n'
+        'printf \'{"tag": "%s", "peer": "%s", "seq": 64, "ttt": 7, "ok": true, "tokens_per_s": 5.0, '
+        '"extra": "%s"}\\n\' "$ANCHOR_ONLY" "$peer" "$ANCHOR_EXTRA" > "$OUT/anchor_results.jsonl"\n'
+    )
+    out = tmp_path / "out"
+    env = {**os.environ, "PEER_BENCH": str(peers), "OUT": str(out), "STEPS": "1", "WARMUP": "1",
+           "VARIANTS": "flex-only"}
+    proc = subprocess.run(["bash", str(BENCH / "train_vs_peers.sh"), "tiny", "64", "--sliding-window", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "peers.jsonl").read_text().splitlines()]
+    assert [(p["tag"], p["extra"]) for p in lines] == [
+        ("sf_T4096_ttt7", "--preset tiny --seq 64 --sliding-window 0"),
+        ("spec_T4096_ttt7", "--preset tiny --seq 64 --sliding-window 0")]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "logs.tgz", "peers.jsonl", "train_throughput.json", "train_throughput_frozen.json"]
+    for name, frozen in (("train_throughput.json", False), ("train_throughput_frozen.json", True)):
+        (run,) = json.loads((out / name).read_text())["runs"]
+        (r,) = run["results"]
+        assert r["ok"] and r["freeze_lm_head"] == frozen and set(r["peers"]) == {"specforge", "speculators"}
+    assert "lm_head trained" in proc.stdout and "same work" in proc.stdout and "x speculators" in proc.stdout
