@@ -1,6 +1,6 @@
-"""bench/train_throughput.py (and bench/train_vs_peers.sh, which runs it beside the peers): its CPU smoke run with
-the memory switches, its --dry memory plan at the Kimi
-shape, and the memory estimate against the peaks the GPU runs recorded."""
+"""bench/train_throughput.py (and bench/train_vs_peers.sh, which runs it beside the peers): its CPU smoke run
+with the memory switches, its --dry memory plan at the Kimi shape, and the memory estimate against the peaks
+the GPU runs recorded."""
 
 from __future__ import annotations
 
