@@ -8,8 +8,10 @@
 # The extra arguments go to every peer run: `--sliding-window 0` gives speculators the whole causal attention
 # that SpecForge and ours compute (its default window is 2048). With TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1
 # in the environment our step compiles with Inductor's coordinate-descent tuning (docs/TRAINING.md).
+# ATTENTION="flex flash": ours with each attention kernel (train.attention; default flex alone).
 # Writes under $OUT (default ./bench-out): peers.jsonl, train_throughput.json (lm_head trained),
-# train_throughput_frozen.json and logs.tgz. STEPS, WARMUP: timed and warm-up steps of every run (8, 2).
+# train_throughput_frozen.json (flash: train_throughput_flash[_frozen].json) and logs.tgz. STEPS, WARMUP:
+# timed and warm-up steps of every run (8, 2).
 set -euo pipefail
 preset=${1:?usage: PEER_BENCH=DIR bash bench/train_vs_peers.sh PRESET SEQ [peer-bench args...]}
 seq=${2:?the sequence length}
@@ -28,13 +30,17 @@ done
 cat "$out/sf/anchor_results.jsonl" "$out/spec/anchor_results.jsonl" >"$out/peers.jsonl"
 ours=(python3 bench/train_throughput.py --preset "$preset" --seq "$seq" --steps "$steps" --warmup "$warmup"
       --variants "${VARIANTS:-compiled}" --no-check --peers "$out/peers.jsonl")
-"${ours[@]}" --out "$out/train_throughput.json" >"$out/ours.txt" 2>&1 || true
-"${ours[@]}" --freeze-lm-head --out "$out/train_throughput_frozen.json" >"$out/ours_frozen.txt" 2>&1 || true
+for attention in ${ATTENTION:-flex}; do  # flex's files unsuffixed, another kernel's with its name
+    sfx=$([ "$attention" = flex ] || echo "_$attention")
+    "${ours[@]}" --attention "$attention" --out "$out/train_throughput$sfx.json" >"$out/ours$sfx.txt" 2>&1 || true
+    "${ours[@]}" --attention "$attention" --freeze-lm-head --out "$out/train_throughput${sfx}_frozen.json" \
+        >"$out/ours${sfx}_frozen.txt" 2>&1 || true
+done
 python3 - "$out" <<'PY'
 import json, pathlib, sys
-for name in ("train_throughput.json", "train_throughput_frozen.json"):
-    path = pathlib.Path(sys.argv[1]) / name
-    for r in (r for run in json.loads(path.read_text())["runs"] for r in run["results"]) if path.exists() else []:
+for path in sorted(pathlib.Path(sys.argv[1]).glob("train_throughput*.json")):
+    name = path.name
+    for r in (r for run in json.loads(path.read_text())["runs"] for r in run["results"]):
         if not r["ok"]:
             print(f"T={r['T']} {name}: {r.get('error')}")
             continue
@@ -42,7 +48,7 @@ for name in ("train_throughput.json", "train_throughput_frozen.json"):
         same = "speculators" if r["freeze_lm_head"] else "specforge"  # the peer that trains the same weights
         ratio = round(r["tokens_per_s"] / r["peers"][same]["tokens_per_s"], 3) if same in r.get("peers", {}) else None
         peak = f", peak {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else ""  # a GPU's
-        print(f"T={r['T']} lm_head {'frozen' if r['freeze_lm_head'] else 'trained'}: {r['tokens_per_s']:,.0f} "
+        print(f"T={r['T']} {r['attention']}, lm_head {'frozen' if r['freeze_lm_head'] else 'trained'}: {r['tokens_per_s']:,.0f} "
               f"tokens/s{peak}; peers {peers}; same work: {ratio}x {same}")
 PY
-(cd "$out" && tar czf logs.tgz sf spec ours.txt ours_frozen.txt && rm -rf sf spec ours.txt ours_frozen.txt)
+(cd "$out" && tar czf logs.tgz sf spec ours*.txt && rm -rf sf spec ours*.txt)

@@ -207,7 +207,7 @@ def test_train_vs_peers_runs_both_peers_then_ours_trained_and_frozen_in_one_call
     )
     out = tmp_path / "out"
     env = {**os.environ, "PEER_BENCH": str(peers), "OUT": str(out), "STEPS": "1", "WARMUP": "1",
-           "VARIANTS": "flex-only"}
+           "VARIANTS": "flex-only", "ATTENTION": "flex flash"}
     proc = subprocess.run(["bash", str(BENCH / "train_vs_peers.sh"), "tiny", "64", "--sliding-window", "0"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -216,9 +216,13 @@ def test_train_vs_peers_runs_both_peers_then_ours_trained_and_frozen_in_one_call
         ("sf_T4096_ttt7", "--preset tiny --seq 64 --sliding-window 0"),
         ("spec_T4096_ttt7", "--preset tiny --seq 64 --sliding-window 0")]
     assert sorted(p.name for p in out.iterdir()) == [
-        "logs.tgz", "peers.jsonl", "train_throughput.json", "train_throughput_frozen.json"]
-    for name, frozen in (("train_throughput.json", False), ("train_throughput_frozen.json", True)):
-        (run,) = json.loads((out / name).read_text())["runs"]
-        (r,) = run["results"]
-        assert r["ok"] and r["freeze_lm_head"] == frozen and set(r["peers"]) == {"specforge", "speculators"}
-    assert "lm_head trained" in proc.stdout and "same work" in proc.stdout and "x speculators" in proc.stdout
+        "logs.tgz", "peers.jsonl", "train_throughput.json", "train_throughput_flash.json",
+        "train_throughput_flash_frozen.json", "train_throughput_frozen.json"]
+    for attention in ("flex", "flash"):
+        for frozen in (False, True):
+            name = f"train_throughput{'_flash' if attention == 'flash' else ''}{'_frozen' if frozen else ''}.json"
+            (run,) = json.loads((out / name).read_text())["runs"]
+            (r,) = run["results"]
+            assert r["ok"] and r["freeze_lm_head"] == frozen and r["attention"] == attention
+            assert set(r["peers"]) == {"specforge", "speculators"}
+    assert "flash, lm_head trained" in proc.stdout and "x specforge" in proc.stdout and "x speculators" in proc.stdout
