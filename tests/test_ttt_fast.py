@@ -351,7 +351,7 @@ def test_compiled_step_gives_the_eager_losses_counts_and_gradients(monkeypatch):
 
 @pytest.mark.parametrize("path", ["merge", "merge_compiled", "kernel", "kernel_compiled"])
 def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, monkeypatch):
-    """Step s's merge reads the diagonal keys/values of steps 1..s stacked; keeping that stack for backward
+    """Step s's merge reads the diagonal keys/values of steps 1..s; keeping a stack of them for backward
     cost k(k - 1)/2 copies of one step's keys and values over k steps (4.6 GiB at T = 8192 for an MHA draft
     of Kimi's width). Backward keeps the steps' own tensors, which the later steps' merges read anyway,
     and nothing else of their size: the flex path's merge (eager and compiled) and the kernel path's."""
@@ -404,8 +404,8 @@ def test_backward_keeps_the_diagonal_keys_themselves_not_a_stacked_copy(path, mo
 
 
 def test_the_merge_never_holds_several_steps_keys_in_one_tensor():
-    """A stack of the diagonals of steps 1..s lived, with its gradient, while step s's backward ran: 14 GiB
-    at 49,152 tokens for the MHA draft Kimi's config derives, out of memory on an 80 GB card. The merge
+    """A stack of the diagonals of steps 1..s lived, with its gradient, while step s's backward ran: 7.9 GiB
+    and as much again at 49,152 tokens for the MHA draft Kimi's config derives. The merge
     reads the steps one by one: no tensor that its forward or backward makes (the flex path's, with
     autograd, and the kernel path's explicit backward) is bigger than one step's keys (MHA: a query's
     heads are its key's)."""

@@ -12,8 +12,8 @@ the keys (or values) of several steps. Its backward keeps the steps' own keys an
 steps' merges read too, and nothing else of size N·hd per step: step s's merge runs again in backward (it
 is elementwise work, O(N·s·hd)). Stacking the diagonals cost k(k - 1)/2 copies of one step's keys and
 values over the k steps when backward kept the stacks (4.6 GiB at T = 8192 for an MHA draft of Kimi's
-width), and still two stacks of s steps, and their gradient, while step s's backward ran (14 GiB at 49,152
-tokens for that draft: out of memory on an 80 GB card). The kernel path (attention.kernel) pairs
+width), and still the stacks of s steps, and as much again for their gradient, while step s's backward ran
+(7.9 GiB for s = 6 at 49,152 tokens for that draft). The kernel path (attention.kernel) pairs
 `merge_forward` with `merge_backward` in its own autograd function.
 
 Compiled, the merge is specialised to each number of diagonals s: torch.compile guards on a list's length,
