@@ -23,7 +23,10 @@ warmup=${WARMUP:-2}
 mkdir -p "$out/sf" "$out/spec"
 export PYTHONUNBUFFERED=1
 extra="--preset $preset --seq $seq $*"
-for peer in sf spec; do  # each peer in its own folder: run.sh starts its results file afresh
+# run.sh names its configs by its default shape (sf_T4096_ttt7, spec_T4096_ttt7); ANCHOR_EXTRA's --preset and
+# --seq win over it, and the results carry the length they ran at. Each peer in its own folder: run.sh
+# starts its results file afresh.
+for peer in sf spec; do
     OUT="$out/$peer" ANCHOR_STEPS=$steps ANCHOR_WARMUP=$warmup ANCHOR_BUDGET_S=${PEER_BUDGET_S:-300} \
         ANCHOR_ONLY="${peer}_T4096_ttt7" ANCHOR_EXTRA="$extra" bash "$peers/run.sh" >"$out/$peer/stdout.txt" 2>&1 || true
 done
