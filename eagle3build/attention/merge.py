@@ -49,6 +49,12 @@ def token_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
+def diagonal_score(qg, k, scale):
+    """Each query's score against one diagonal key: qg [1, nkv, g, N, hd], k [1, nkv, N, hd] -> fp32
+    [1, nkv, g, N] (the product in the inputs' dtype, summed in fp32)."""
+    return (qg * k.unsqueeze(2)).float().sum(-1) * scale
+
+
 def merge_forward(q, causal_out, causal_lse, keys, values, scale):
     """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
     (output and log-sum-exp of the causal attention) and the diagonals, s keys and values [1, nkv, N, hd].
@@ -56,7 +62,7 @@ def merge_forward(q, causal_out, causal_lse, keys, values, scale):
     nkv = keys[0].shape[1]
     qg = grouped_heads(q, nkv)  # [1, nkv, g, N, hd]
     scores = torch.stack(
-        [grouped_heads(causal_lse, nkv).float()] + [(qg * k.unsqueeze(2)).float().sum(-1) * scale for k in keys], -1
+        [grouped_heads(causal_lse, nkv).float()] + [diagonal_score(qg, k, scale) for k in keys], -1
     )  # [1, nkv, g, N, 1 + s]
     lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
     weights = torch.exp(scores - lse.unsqueeze(-1))
@@ -75,10 +81,9 @@ def merge_backward(dout, q, out, lse, keys, values, scale):
     qg, dog, lse_g = grouped_heads(q, nkv), grouped_heads(dout, nkv), grouped_heads(lse, nkv)  # [1, nkv, g, N, ...]
     dq, dks, dvs = 0, [], []
     for k, v in zip(keys, values, strict=True):
-        kg, vg = k.unsqueeze(2), v.unsqueeze(2)  # [1, nkv, 1, N, hd]
-        weight = torch.exp((qg * kg).float().sum(-1) * scale - lse_g)  # [1, nkv, g, N]
-        d_score = weight * ((dog * vg).float().sum(-1) - delta) * scale
-        dq = dq + d_score.unsqueeze(-1) * kg
+        weight = torch.exp(diagonal_score(qg, k, scale) - lse_g)  # [1, nkv, g, N]
+        d_score = weight * ((dog * v.unsqueeze(2)).float().sum(-1) - delta) * scale
+        dq = dq + d_score.unsqueeze(-1) * k.unsqueeze(2)
         dks.append((d_score.unsqueeze(-1) * qg).sum(2).to(k.dtype))  # [1, nkv, N, hd]
         dvs.append((weight.unsqueeze(-1) * dog).sum(2).to(v.dtype))
     return dq.flatten(1, 2), dks, dvs
