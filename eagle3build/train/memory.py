@@ -128,15 +128,15 @@ def memory_check(config: DraftConfig, p: dict, device_gib: float, world_size: in
         return True, note
     fit = fitting_switches(shape, T, ttt, budget - ddp_gib, frozen, fsdp_shards)
     if fit is None and ddp:  # FSDP's shards of the trained weights' state, with the switches it still needs
-        fit = fitting_switches(shape, T, ttt, budget, frozen, world_size, plain=True)
-        ddp_gib = 0.0
-        fit = None if fit is None else {"fsdp": "true", **fit}
+        sharded = fitting_switches(shape, T, ttt, budget, frozen, world_size, plain=True)
+        fit = None if sharded is None else {"fsdp": "true", **sharded}
     if fit is None:
         return False, f"{note}: it may run out of memory; lower train.batch_tokens"
     keys = ", ".join(f"train.{k}: {v}" for k, v in fit.items() if k != "estimate_gib")
     how = ["the weights' state sharded over the processes"] if "fsdp" in fit else []
     how += ["some recomputation in backward"] if set(fit) - {"fsdp", "estimate_gib"} else []
-    return False, (f"{note}: it may run out of memory; set {keys} (estimate {fit['estimate_gib'] + ddp_gib:.1f} GiB: "
+    estimate = fit["estimate_gib"] + (0.0 if "fsdp" in fit else ddp_gib)  # FSDP has no DDP gradient buckets
+    return False, (f"{note}: it may run out of memory; set {keys} (estimate {estimate:.1f} GiB: "
                    f"the same weights, {' and '.join(how)}) or lower train.batch_tokens")
 
 
