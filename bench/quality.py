@@ -7,6 +7,8 @@ config per variant, in one table (BENCHMARKS.md §3).
     python3 bench/quality.py --configs-only                    # write the variants' configs, print their commands
     python3 bench/quality.py --table bench/results/quality_smollm2.json      # print a results file's tables
     python3 bench/quality.py --smoke --root /tmp/q             # CPU: stories260K, a fake regeneration server, 2 variants
+    python3 bench/quality.py --serve-regeneration --variants eagle3 --pack-regeneration regen.tar.xz   # keep the answers
+    python3 bench/quality.py --regeneration-from bench/assets/smollm2_regeneration.tar.xz --variants eagle3 plain
 
 A variant is the base config (configs/smollm2-gpu.yaml) with configs/ablations/<name>.yaml merged over it
 (Snakemake's own merge of several --configfile: mappings key by key, lists replaced); `eagle3` is the base
@@ -35,7 +37,12 @@ Parallel. With --parallel N the base first builds every stage another variant ta
 Regeneration. The base config regenerates through an OpenAI-compatible server. With --serve-regeneration,
 a variant whose dry-run plans regenerate jobs gets one: `vllm serve TARGET --port <regenerate.url's port>`
 is started, the workflow runs up to those jobs (`--until regenerate`), and the server is stopped before
-extraction needs the GPU.
+extraction needs the GPU. Regeneration is the recipe's one stage that needs the engine, and on one GPU it takes
+longer than the rest but training. --pack-regeneration FILE writes the base's split conversations and answers,
+with Snakemake's records of them, once they are built; --regeneration-from FILE restores them in another
+checkout (the same --root), which then builds the rest without vLLM. The repository keeps one such tarball of
+the base config, bench/assets/smollm2_regeneration.tar.xz (its README says where it comes from); a run whose
+config or regeneration code no longer matches it stops with the reason instead of regenerating silently.
 
 What the workflow cannot do and this script does: the links, the regeneration server, and one results file
 (bench/results/quality_smollm2.json: per variant and eval set, tau@k for every k, per category, and the T > 0
@@ -51,6 +58,7 @@ bench/results/quality_smollm2_{eagle3,final_only,original}.json.
 from __future__ import annotations
 
 import argparse
+import base64
 import concurrent.futures
 import contextlib
 import copy
@@ -63,6 +71,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -101,6 +110,10 @@ STAGES = {
 STAGE_RULES = {"regen": "regenerate", "tokens": "tokens tokens_regenerated", "hidden": "extract", "vocab": "vocab",
                "train": "train", "export": "export", "eval": "evaluate"}
 KNOWN_SECTIONS = {"output_root", "target"}.union(*(sections for sections, _ in STAGES.values()))
+# What --pack-regeneration carries and --regeneration-from restores: the base's split conversations and the
+# target's answers to them, with Snakemake's records of those files (the GPU-bound stage of the recipe).
+CARRIED_STAGES = ("data", "regen")
+METADATA = Path(".snakemake") / "metadata"
 SET_TITLES = {"mt_bench": "MT-Bench", "spec_bench": "Spec-Bench"}
 # A chat template for stories260K (a base model without one), for the smoke run.
 SMOKE_TEMPLATE = ROOT / "tests" / "data" / "chat_template.jinja"
@@ -244,6 +257,72 @@ def add_jobs(jobs: dict[str, int], more: dict[str, int]) -> None:
         jobs[rule] = jobs.get(rule, 0) + count
 
 
+def metadata_subject(record: Path) -> str:
+    """The output path that a Snakemake metadata record (its path under .snakemake/metadata) is about: the
+    urlsafe base64 of that path, cut into '@'-prefixed folders where it is longer than a file name may be
+    (Snakemake's FilePersistence; tests/test_bench_quality.py checks this against a real run's records)."""
+    return base64.urlsafe_b64decode("".join(part.removeprefix("@") for part in record.parts)).decode()
+
+
+def within(path: str, folders: list[str]) -> bool:
+    return any(path == f or path.startswith(f + "/") for f in folders)
+
+
+def pack_regeneration(workdir: Path, base_root: str, out: Path) -> int:
+    """Write `out` (tar.xz): the base's CARRIED_STAGES folders and Snakemake's records of their files, by
+    their paths relative to the workdir (mtimes kept), so that another host's checkout resumes after them
+    (docs/PRODUCTION.md, "Moving a build"). Returns the number of records."""
+    folders = [f"{base_root}/{stage}" for stage in CARRIED_STAGES]
+    missing = [f for f in folders if not (workdir / f).is_dir()]
+    if missing:
+        sys.exit(f"--pack-regeneration: {', '.join(missing)} not built in {workdir}: nothing to pack")
+    meta = workdir / METADATA
+    records = [r for r in sorted(meta.rglob("*")) if r.is_file()
+               and within(metadata_subject(r.relative_to(meta)), folders)] if meta.is_dir() else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with tarfile.open(tmp, "w:xz", preset=9) as tar:  # text: 116 MB -> ~9.5 MB for the recipe
+            for folder in folders:
+                tar.add(workdir / folder, arcname=folder)
+            for record in records:
+                tar.add(record, arcname=str(record.relative_to(workdir)))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log(f"packed {' '.join(folders)} and {len(records)} Snakemake records into {out}")
+    return len(records)
+
+
+def unpack_regeneration(workdir: Path, base_root: str, path: Path) -> int:
+    """Restore a --pack-regeneration tarball into the workdir. Every member must be one of the base's
+    CARRIED_STAGES folders or files, or a Snakemake record of one of them; anything else stops this before a
+    file is written. Returns the number of files restored."""
+    folders = [f"{base_root}/{stage}" for stage in CARRIED_STAGES]
+    meta_dirs = {str(METADATA.parent), str(METADATA)}
+    try:
+        tar = tarfile.open(path)
+    except (OSError, tarfile.TarError) as e:
+        sys.exit(f"--regeneration-from {path}: cannot read it as a tarball ({e})")
+    with tar:
+        members = tar.getmembers()
+        for m in members:
+            name = m.name.rstrip("/")
+            record = name.startswith(str(METADATA) + "/") and m.isfile()
+            if name.startswith("/") or ".." in name.split("/") or not (within(name, folders) or name in meta_dirs or base_root.startswith(name + "/")
+                    or (record and within(metadata_subject(Path(name).relative_to(METADATA)), folders))):
+                sys.exit(f"--regeneration-from {path}: member {m.name!r} is neither under {' or '.join(folders)} "
+                         f"nor a Snakemake record of them. A tarball for --root {Path(base_root).parent} is what "
+                         "`bench/quality.py --pack-regeneration` writes with that root")
+        if not any(within(m.name, [f"{base_root}/regen"]) and m.isfile() for m in members):
+            sys.exit(f"--regeneration-from {path}: it holds no file under {base_root}/regen: not a regeneration of "
+                     f"this root (packed with another --root?)")
+        tar.extractall(workdir, members=members, filter="data")
+    files = sum(m.isfile() for m in members)
+    log(f"restored {files} files of {' and '.join(folders)} (with their Snakemake records) from {path}")
+    return files
+
+
 def regenerates_through_server(config: dict) -> bool:
     backend = (config.get("regenerate") or {}).get("backend", "hf")
     return backend == "openai" and any(ds.get("regenerate") for ds in config["datasets"])
@@ -298,17 +377,29 @@ def build_variant(args, name: str, config: dict, config_path: Path, root: Path, 
     cfg, logs = safe_path(config_path), args.work / "logs"
     prefix = f"[{name}] " if args.parallel > 1 else ""
     jobs, t_regen = {}, 0.0
-    if args.serve_regeneration and regenerates_through_server(config):
+    carried = args.regeneration_from and name == BASE
+    if (args.serve_regeneration or carried) and regenerates_through_server(config):
         plan, _ = make(args.workdir, "dry-run", cfg, "--until regenerate", logs / f"{name}.log", env)
-        if "regenerate" in job_counts(plan):
+        planned = job_counts(plan).get("regenerate", 0)
+        if planned and not args.serve_regeneration:
+            sys.exit(f"--regeneration-from {args.regeneration_from}: Snakemake still plans {planned} regenerate "
+                     f"job(s) for {cfg}: the carried answers are not those of this config and code (its datasets "
+                     "or regenerate settings, or the regeneration code, changed since it was packed). Regenerate "
+                     "with --serve-regeneration, or carry a regeneration packed from this checkout; the dry-run's "
+                     f"reasons are in {logs / f'{name}.log'}")
+        if planned:
             with regeneration_server(config, args, logs / f"{name}.regeneration-server.log"):
                 output, t_regen = make(args.workdir, "run", cfg, "--until regenerate", logs / f"{name}.log", env,
                                        prefix)
             jobs = job_counts(output)
+            if args.pack_regeneration and name == BASE:
+                pack_regeneration(args.workdir, config["output_root"], args.pack_regeneration)
     log(f"{name}: make run CONFIG={cfg}" + (f" SMK_ARGS='--until {until}'" if until else ""))
     output, seconds = make(args.workdir, "run", cfg, f"--until {until}" if until else "", logs / f"{name}.log", env,
                            prefix)
     add_jobs(jobs, job_counts(output))
+    if args.pack_regeneration and name == BASE and not t_regen:  # regenerated by this run rather than a server
+        pack_regeneration(args.workdir, config["output_root"], args.pack_regeneration)
     return {"config": cfg, "output_root": config["output_root"], "shared_from_base": shared if name != BASE else [],
             "jobs": jobs, "until_regenerate_s": round(t_regen, 1), "run_s": round(seconds, 1)}
 
@@ -477,6 +568,8 @@ def run(args, done: Callable[[dict, dict], None] = lambda results, failed: None)
             links = ", ".join(shared[name]) if name != BASE else "-"
             print(f"make run CONFIG={safe_path(paths[name])}   # (this script links the base's: {links or 'nothing'})")
         return {}, {}
+    if args.regeneration_from:
+        unpack_regeneration(args.workdir, configs[BASE]["output_root"], args.regeneration_from)
     if args.smoke:  # the fake stands in for `vllm serve` on the same path
         args.serve_regeneration = True
         args.serve_executable, args.serve_args = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")], []
@@ -607,6 +700,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="build N variants at once once the base has built what they share (with >= N GPUs each "
                         "gets its own share of them; else they share the GPUs)")
+    p.add_argument("--pack-regeneration", type=Path, default=None, metavar="FILE",
+                   help="once the base's regeneration is built, write FILE (tar.xz): its split conversations and "
+                        "the target's answers with Snakemake's records of them, for --regeneration-from on another "
+                        "host")
+    p.add_argument("--regeneration-from", type=Path, default=None, metavar="FILE",
+                   help="restore a --pack-regeneration tarball (of the same --root) before building: the base then "
+                        "regenerates nothing, and no server is needed, where the tarball is current for its config "
+                        "(else this stops with the reason)")
     p.add_argument("--configs-only", action="store_true", help="write the variants' configs and print their commands")
     p.add_argument("--smoke", action="store_true", help="CPU: stories260K, the tests' fake regeneration server, two variants")
     p.add_argument("--table", type=Path, default=None, help="print the tables of this results file and exit")

@@ -201,7 +201,9 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
     cmd = [sys.executable, str(ROOT / "bench" / "quality.py"), "--smoke", "--workdir", str(wd), "--root", "q",
            "--out", str(tmp_path / "quality_smollm2.json")]
     # the base builds what bf16 shares, then the two build side by side
-    proc = subprocess.run([*cmd, "--parallel", "2"], capture_output=True, text=True, timeout=900)
+    packed = tmp_path / "regen.tar.xz"
+    proc = subprocess.run([*cmd, "--parallel", "2", "--pack-regeneration", str(packed)], capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
     base, bf16 = run["variants"]["eagle3"], run["variants"]["bf16"]
@@ -220,6 +222,143 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
     assert again.returncode == 0, again.stdout[-4000:]
     run = json.loads((tmp_path / "quality_smollm2.json").read_text())["runs"][0]
     assert all(v["jobs"] == {} for v in run["variants"].values())
+    # another checkout restores the packed answers: its plan starts after them
+    other = copy_workflow(tmp_path / "wf2")
+    shutil.copy2(ROOT / "Makefile", other / "Makefile")
+    quality.unpack_regeneration(other, "q/eagle3", packed)
+    subprocess.run([*cmd[:-2], "--configs-only", "--workdir", str(other)], check=True, capture_output=True, timeout=120)
+    plan = subprocess.run(["make", "dry-run", "CONFIG=q/configs/eagle3.yaml", f"PYTHON={sys.executable}"], cwd=other,
+                          capture_output=True, text=True, timeout=300)
+    jobs = quality.job_counts(plan.stdout)
+    assert plan.returncode == 0 and jobs["train"] == 1 and "regenerate" not in jobs and "split" not in jobs, plan.stdout
+
+
+def test_metadata_subject_reads_the_records_snakemake_writes(tmp_path):
+    """The record names that --pack-regeneration picks by, read back from a real Snakemake run's records: a short
+    path, and one whose record name is cut into '@' folders because it is longer than a file name may be."""
+    long = "x" * 200 + "/" + "y" * 150 + ".txt"
+    (tmp_path / "Snakefile").write_text(
+        f'rule all:\n    input: ["short/a.txt", "{long}"]\n\n'
+        'rule short:\n    output: "short/a.txt"\n    shell: "echo hi > {output}"\n\n'
+        f'rule long:\n    output: "{long}"\n    shell: "echo hi > {{output}}"\n')
+    subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1"], cwd=tmp_path, check=True, capture_output=True,
+                   timeout=120)
+    meta = tmp_path / quality.METADATA
+    records = [r.relative_to(meta) for r in meta.rglob("*") if r.is_file()]
+    assert any(len(r.parts) > 1 for r in records)  # the long one was cut into folders
+    assert {quality.metadata_subject(r) for r in records} == {"short/a.txt", long}
+
+
+def record(workdir: Path, path: str) -> Path:
+    """A stand-in Snakemake record of `path` (named as Snakemake names it; the test above checks that reading)."""
+    import base64
+
+    rec = workdir / quality.METADATA / base64.urlsafe_b64encode(path.encode()).decode()
+    rec.parent.mkdir(parents=True, exist_ok=True)
+    rec.write_text(json.dumps({"record_format_version": 6, "rule": path}))
+    return rec
+
+
+def test_a_packed_regeneration_restores_elsewhere_and_a_foreign_tarball_writes_nothing(tmp_path):
+    import tarfile
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    carried = ["q/eagle3/data/alpaca/00000.jsonl", "q/eagle3/regen/alpaca/00000.jsonl",
+               "q/eagle3/regen/alpaca/00000.report.json"]
+    for i, rel in enumerate([*carried, "q/eagle3/tokens/alpaca/00000.safetensors", "q/bf16/regen/alpaca/00000.jsonl"]):
+        (a / rel).parent.mkdir(parents=True, exist_ok=True)
+        (a / rel).write_text(f"file {i}\n")
+        os.utime(a / rel, (1_700_000_000 + i, 1_700_000_000 + i))
+        record(a, rel)
+    packed = tmp_path / "regen.tar.xz"
+    assert quality.pack_regeneration(a, "q/eagle3", packed) == 3  # the records of the carried files only
+    names = tarfile.open(packed).getnames()
+    assert not any("tokens" in n or "bf16" in n for n in names)
+
+    assert quality.unpack_regeneration(b, "q/eagle3", packed) == 6  # three files, three records
+    for rel in carried:
+        assert (b / rel).read_text() == (a / rel).read_text()
+        assert (b / rel).stat().st_mtime == (a / rel).stat().st_mtime  # Snakemake compares them
+    assert sorted(p.name for p in (b / quality.METADATA).iterdir()) == sorted(
+        p.name for p in (a / quality.METADATA).iterdir() if "tokens" not in quality.metadata_subject(Path(p.name))
+        and "bf16" not in quality.metadata_subject(Path(p.name)))
+
+    def tarball(name: str, members: dict[str, str]) -> Path:
+        path = tmp_path / name
+        with tarfile.open(path, "w:xz") as tar:
+            for arcname, src in members.items():
+                tar.add(src, arcname=arcname)
+        return path
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "f").write_text("x")
+    tokens_record = next(p for p in (a / quality.METADATA).iterdir()
+                         if "tokens" in quality.metadata_subject(Path(p.name)))
+    cases = {
+        "stray.tar.xz": ({carried[1]: a / carried[1], "Makefile": other / "f"}, "member 'Makefile'"),
+        "record.tar.xz": ({carried[1]: a / carried[1], f".snakemake/metadata/{tokens_record.name}": tokens_record},
+                          "nor a Snakemake record"),
+        "up.tar.xz": ({carried[1]: a / carried[1], "q/eagle3/regen/../../../x": other / "f"}, "member"),
+        "root.tar.xz": ({"r/eagle3/regen/alpaca/00000.jsonl": a / carried[1]}, "for --root q"),
+    }
+    for name, (members, says) in cases.items():
+        c = tmp_path / f"c_{name}"
+        with pytest.raises(SystemExit) as e:
+            quality.unpack_regeneration(c, "q/eagle3", tarball(name, members))
+        assert says in str(e.value) and name in str(e.value)
+        assert not c.exists()  # refused before a file was written
+    with pytest.raises(SystemExit, match="cannot read it as a tarball"):
+        quality.unpack_regeneration(b, "q/eagle3", other / "f")
+
+
+@pytest.mark.slow  # restores 116 MB and dry-runs the 49-dataset recipe: about 20 s
+def test_the_carried_regeneration_is_current_for_the_base_config(tmp_path):
+    """bench/assets/smollm2_regeneration.tar.xz (bench/assets/README.md) still stands for the base config and this
+    code: restored in a fresh copy of the workflow, the recipe's plan starts after it. Where a change to the
+    datasets, prepare or regenerate settings, the target or the regeneration code makes Snakemake plan the
+    answers again, regenerate on a GPU and replace the tarball (its README says how), or delete it."""
+    from conftest import SMOLLM2
+
+    asset = ROOT / "bench" / "assets" / "smollm2_regeneration.tar.xz"
+    data = quality.SHARED / "assets" / "data"
+    if not (SMOLLM2.exists() and data.exists()):
+        pytest.skip("needs `make setup`'s SmolLM2 and ../shared/assets/data")
+    wd = copy_workflow(tmp_path / "wf")
+    shutil.copy2(ROOT / "Makefile", wd / "Makefile")
+    (wd / "models").mkdir()
+    (wd / "models" / SMOLLM2.name).symlink_to(SMOLLM2)
+    (wd / "data" / "assets").mkdir(parents=True)
+    for part in ("train", "eval"):
+        (wd / "data" / "assets" / part).symlink_to(data / part)
+    subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir", str(wd),
+                    "--variants", quality.BASE], check=True, capture_output=True, timeout=120)
+    quality.unpack_regeneration(wd, f"build-quality/{quality.BASE}", asset)
+    plan = subprocess.run(["make", "dry-run", f"CONFIG=build-quality/configs/{quality.BASE}.yaml",
+                           f"PYTHON={sys.executable}"], cwd=wd, capture_output=True, text=True, timeout=600)
+    jobs = quality.job_counts(plan.stdout)
+    assert plan.returncode == 0 and jobs.get("train") == 1, plan.stdout[-3000:] + plan.stderr[-3000:]
+    assert "regenerate" not in jobs and "split" not in jobs, (
+        "the carried regeneration is stale for this config and code; see bench/assets/README.md\n"
+        + plan.stdout[-3000:])
+
+
+def test_a_carried_regeneration_that_is_not_current_stops_instead_of_regenerating(tmp_path, monkeypatch):
+    """--regeneration-from without a server: where Snakemake still plans regenerate jobs (config or code changed
+    since the tarball was packed), the build stops with the reason instead of running them against no server."""
+    calls = []
+
+    def make(workdir, target, cfg, smk_args, log_path, env=None, prefix=""):
+        calls.append((target, smk_args))
+        return "Job stats:\njob           count\n----------  -------\nregenerate        3\ntotal             3\n", 0.1
+
+    monkeypatch.setattr(quality, "make", make)
+    args = quality.parser().parse_args(["--regeneration-from", "regen.tar.xz", "--workdir", str(tmp_path)])
+    args.work = tmp_path / "build-quality"
+    with pytest.raises(SystemExit) as e:
+        quality.build_variant(args, quality.BASE, BASE, tmp_path / "c.yaml", tmp_path / "r", tmp_path / "r", [])
+    assert "still plans 3 regenerate job(s)" in str(e.value) and "--serve-regeneration" in str(e.value)
+    assert calls == [("dry-run", "--until regenerate")]  # nothing ran
 
 
 def test_parallel_builds_take_their_own_gpus_or_share_them(monkeypatch):
