@@ -260,8 +260,12 @@ def add_jobs(jobs: dict[str, int], more: dict[str, int]) -> None:
 def metadata_subject(record: Path) -> str:
     """The output path that a Snakemake metadata record (its path under .snakemake/metadata) is about: the
     urlsafe base64 of that path, cut into '@'-prefixed folders where it is longer than a file name may be
-    (Snakemake's FilePersistence; tests/test_bench_quality.py checks this against a real run's records)."""
-    return base64.urlsafe_b64decode("".join(part.removeprefix("@") for part in record.parts)).decode()
+    (Snakemake's FilePersistence; tests/test_bench_quality.py checks this against a real run's records).
+    "" for a name that is no such encoding."""
+    try:
+        return base64.urlsafe_b64decode("".join(part.removeprefix("@") for part in record.parts)).decode()
+    except (ValueError, UnicodeDecodeError):  # (binascii.Error is a ValueError) not a record's name
+        return ""
 
 
 def within(path: str, folders: list[str]) -> bool:
@@ -309,7 +313,9 @@ def unpack_regeneration(workdir: Path, base_root: str, path: Path) -> int:
         for m in members:
             name = m.name.rstrip("/")
             record = name.startswith(str(METADATA) + "/") and m.isfile()
-            if name.startswith("/") or ".." in name.split("/") or not (within(name, folders) or name in meta_dirs or base_root.startswith(name + "/")
+            parent = m.isdir() and (name in meta_dirs or base_root.startswith(name + "/"))  # folders above them
+            if name.startswith("/") or ".." in name.split("/") or not (
+                    within(name, folders) or parent
                     or (record and within(metadata_subject(Path(name).relative_to(METADATA)), folders))):
                 sys.exit(f"--regeneration-from {path}: member {m.name!r} is neither under {' or '.join(folders)} "
                          f"nor a Snakemake record of them. A tarball for --root {Path(base_root).parent} is what "

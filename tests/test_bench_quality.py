@@ -301,6 +301,8 @@ def test_a_packed_regeneration_restores_elsewhere_and_a_foreign_tarball_writes_n
                           "nor a Snakemake record"),
         "up.tar.xz": ({carried[1]: a / carried[1], "q/eagle3/regen/../../../x": other / "f"}, "member"),
         "root.tar.xz": ({"r/eagle3/regen/alpaca/00000.jsonl": a / carried[1]}, "for --root q"),
+        "garbled.tar.xz": ({carried[1]: a / carried[1], ".snakemake/metadata/not*base64": other / "f"},
+                           "nor a Snakemake record"),
     }
     for name, (members, says) in cases.items():
         c = tmp_path / f"c_{name}"
