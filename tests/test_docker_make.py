@@ -119,3 +119,38 @@ def test_dockerfile_passes_hadolint():
     assert expand("lint-docker") == [["hadolint", "Dockerfile"]]
     result = subprocess.run(["hadolint", "Dockerfile"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_build_context_is_what_the_dockerfile_copies_and_never_an_output_root(tmp_path):
+    """.dockerignore is an allowlist: the context a build sends (docker-py's own build context, which reads
+    .dockerignore as the engine does) holds every COPY source of the Dockerfile, and nothing that a run
+    leaves in the checkout: an output root under any name a config gives it, models, datasets, caches."""
+    import tarfile
+
+    from docker.utils.build import tar
+
+    copied = [src for line in (REPO / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+              for src in shlex.split(line)[1:-1] if not src.startswith("--")]
+    assert "eagle3build" in copied and "pyproject.toml" in copied
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    ctx = tmp_path / "checkout"
+    for rel in tracked:
+        if (REPO / rel).is_file():
+            (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, ctx / rel)
+    left_by_runs = ["build-kimi-k2.5/hidden/ds/00000.safetensors", "runs/kimi/train/state/ckpt.safetensors",
+                    "build/tokens/demo/00000.safetensors", "models/SmolLM2-135M-Instruct/model.safetensors",
+                    "data/assets/train/alpaca_en_demo.json", ".snakemake/metadata/YQ==",
+                    "eagle3build/__pycache__/config.cpython-312.pyc", ".venv/bin/python"]
+    for rel in left_by_runs:
+        (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / rel).write_text("x")
+    lines = [line.strip() for line in (ctx / ".dockerignore").read_text().splitlines()]
+    with tar(str(ctx), exclude=[x for x in lines if x and not x.startswith("#")], dockerfile=("Dockerfile", None)) as f:
+        sent = {m.name for m in tarfile.open(fileobj=f) if m.isfile()}
+    for src in copied:
+        assert src in sent or any(name.startswith(src + "/") for name in sent), src
+    assert "eagle3build/config.schema.yaml" in sent  # package data travels with the package
+    assert not any("__pycache__" in name for name in sent)
+    others = sent - set(copied) - {"Dockerfile", ".dockerignore"}
+    assert all(name.startswith("eagle3build/") for name in others), sorted(others)[:20]
