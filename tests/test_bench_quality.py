@@ -217,6 +217,7 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
     assert "| bf16 | `extract.storage_dtype=bf16` |" in proc.stdout
     assert "[eagle3] " in proc.stdout and "[bf16] " in proc.stdout  # each build's lines marked
     assert "eagle3: make run CONFIG=q/configs/eagle3.yaml SMK_ARGS='--until vocab'" in proc.stdout  # bf16's last shared
+    assert "bf16: make run CONFIG=q/configs/bf16.yaml SMK_ARGS='--prioritize q/bf16/eval/demo_heldout.json'" in proc.stdout
     # the server is gone and a second run, one variant at a time, plans nothing anywhere
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-4000:]
@@ -361,6 +362,13 @@ def test_a_carried_regeneration_that_is_not_current_stops_instead_of_regeneratin
         quality.build_variant(args, quality.BASE, BASE, tmp_path / "c.yaml", tmp_path / "r", tmp_path / "r", [])
     assert "still plans 3 regenerate job(s)" in str(e.value) and "--serve-regeneration" in str(e.value)
     assert calls == [("dry-run", "--until regenerate")]  # nothing ran
+
+
+def test_a_build_evaluates_its_first_set_first():
+    """The evaluations queue for the one GPU; the config's first set (MT-Bench, the bar's) goes first, so a run
+    cut off during evaluation still has it (Snakemake's own order ran Spec-Bench first)."""
+    assert quality.first_set_first(BASE) == f"--prioritize {BASE['output_root']}/eval/mt_bench.json"
+    assert quality.first_set_first({**BASE, "evaluate": {"sets": []}}) == ""
 
 
 def test_parallel_builds_take_their_own_gpus_or_share_them(monkeypatch):
