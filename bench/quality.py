@@ -8,7 +8,7 @@ config per variant, in one table (BENCHMARKS.md §3).
     python3 bench/quality.py --table bench/results/quality_smollm2.json      # print a results file's tables
     python3 bench/quality.py --smoke --root /tmp/q             # CPU: stories260K, a fake regeneration server, 2 variants
     python3 bench/quality.py --serve-regeneration --variants eagle3 --pack-regeneration regen.tar.xz   # keep the answers
-    python3 bench/quality.py --regeneration-from bench/assets/smollm2_regeneration.tar.xz --variants eagle3 plain
+    python3 bench/quality.py --regeneration-from regen.tar.xz --variants eagle3 plain          # elsewhere, no vLLM
 
 A variant is the base config (configs/smollm2-gpu.yaml) with configs/ablations/<name>.yaml merged over it
 (Snakemake's own merge of several --configfile: mappings key by key, lists replaced); `eagle3` is the base
@@ -43,9 +43,8 @@ is started, the workflow runs up to those jobs (`--until regenerate`), and the s
 extraction needs the GPU. Regeneration is the recipe's one stage that needs the engine, and on one GPU it takes
 longer than the rest but training. --pack-regeneration FILE writes the base's split conversations and answers,
 with Snakemake's records of them, once they are built; --regeneration-from FILE restores them in another
-checkout (the same --root), which then builds the rest without vLLM. The repository keeps one such tarball of
-the base config, bench/assets/smollm2_regeneration.tar.xz (its README says where it comes from); a run whose
-config or regeneration code no longer matches it stops with the reason instead of regenerating silently.
+checkout (the same --root), which then builds the rest without vLLM. A run whose config or regeneration code
+no longer matches the tarball stops with the reason instead of regenerating silently.
 
 What the workflow cannot do and this script does: the links, the regeneration server, and one results file
 (bench/results/quality_smollm2.json: per variant and eval set, tau@k for every k, per category, and the T > 0

@@ -315,37 +315,6 @@ def test_a_packed_regeneration_restores_elsewhere_and_a_foreign_tarball_writes_n
         quality.unpack_regeneration(b, "q/eagle3", other / "f")
 
 
-@pytest.mark.slow  # restores 116 MB and dry-runs the 49-dataset recipe: about 20 s
-def test_the_carried_regeneration_is_current_for_the_base_config(tmp_path):
-    """bench/assets/smollm2_regeneration.tar.xz (bench/assets/README.md) still stands for the base config and this
-    code: restored in a fresh copy of the workflow, the recipe's plan starts after it. Where a change to the
-    datasets, prepare or regenerate settings, the target or the regeneration code makes Snakemake plan the
-    answers again, regenerate on a GPU and replace the tarball (its README says how), or delete it."""
-    from conftest import SMOLLM2
-
-    asset = ROOT / "bench" / "assets" / "smollm2_regeneration.tar.xz"
-    data = quality.SHARED / "assets" / "data"
-    if not (SMOLLM2.exists() and data.exists()):
-        pytest.skip("needs `make setup`'s SmolLM2 and ../shared/assets/data")
-    wd = copy_workflow(tmp_path / "wf")
-    shutil.copy2(ROOT / "Makefile", wd / "Makefile")
-    (wd / "models").mkdir()
-    (wd / "models" / SMOLLM2.name).symlink_to(SMOLLM2)
-    (wd / "data" / "assets").mkdir(parents=True)
-    for part in ("train", "eval"):
-        (wd / "data" / "assets" / part).symlink_to(data / part)
-    subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--configs-only", "--workdir", str(wd),
-                    "--variants", quality.BASE], check=True, capture_output=True, timeout=120)
-    quality.unpack_regeneration(wd, f"build-quality/{quality.BASE}", asset)
-    plan = subprocess.run(["make", "dry-run", f"CONFIG=build-quality/configs/{quality.BASE}.yaml",
-                           f"PYTHON={sys.executable}"], cwd=wd, capture_output=True, text=True, timeout=600)
-    jobs = quality.job_counts(plan.stdout)
-    assert plan.returncode == 0 and jobs.get("train") == 1, plan.stdout[-3000:] + plan.stderr[-3000:]
-    assert "regenerate" not in jobs and "split" not in jobs, (
-        "the carried regeneration is stale for this config and code; see bench/assets/README.md\n"
-        + plan.stdout[-3000:])
-
-
 def test_a_carried_regeneration_that_is_not_current_stops_instead_of_regenerating(tmp_path, monkeypatch):
     """--regeneration-from without a server: where Snakemake still plans regenerate jobs (config or code changed
     since the tarball was packed), the build stops with the reason instead of running them against no server."""
