@@ -216,6 +216,7 @@ def test_smoke_run_builds_two_variants_through_make_sharing_the_base_upstream(tm
         assert set(tau) == {"1", "3"} and all(1.0 <= t <= 4.0 for t in tau.values())
     assert "| bf16 | `extract.storage_dtype=bf16` |" in proc.stdout
     assert "[eagle3] " in proc.stdout and "[bf16] " in proc.stdout  # each build's lines marked
+    assert proc.stdout.count(f"Snakemake records into {packed}") == 1  # the base builds twice, packs once
     assert "eagle3: make run CONFIG=q/configs/eagle3.yaml SMK_ARGS='--until vocab'" in proc.stdout  # bf16's last shared
     assert "bf16: make run CONFIG=q/configs/bf16.yaml SMK_ARGS='--prioritize q/bf16/eval/demo_heldout.json'" in proc.stdout
     # the server is gone and a second run, one variant at a time, plans nothing anywhere
