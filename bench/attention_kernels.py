@@ -1,9 +1,11 @@
 """The training step's causal attention (doc-masked, GQA) forward + backward: flex as trained vs alternatives.
 
     python bench/attention_kernels.py --seq 4096 --out $OUT/attention_kernels.json      # on the GPU
+    python bench/attention_kernels.py --preset kimi --seq 8192 --no-autotune --out $OUT/attention_kernels_kimi.json
 
-Shape: the Llama-8B head (32 query heads, 8 KV heads, head_dim 128), bf16, one sample of T tokens (the
-peers' data; --docs 2: two packed samples, 1/3 and 2/3 of T), with the log-sum-exp the TTT merge needs.
+Shape (--preset): the Llama-8B head (32 query heads, 8 KV heads, head_dim 128; the default) or the Kimi-K2.5
+head of bench/train_throughput.py's `kimi` preset (56 / 8 × 128), bf16, one sample of T tokens (the peers'
+data; --docs 2: two packed samples, 1/3 and 2/3 of T), with the log-sum-exp the TTT merge needs.
 Timed per call (fwd + bwd, and fwd alone under no_grad), after warm-up. Alternatives: flex compiled with
 `max-autotune` (autotunes its block sizes), flex with hand-set block sizes or TMA loads (`USE_TMA`, off by
 default on CUDA), and PyTorch's varlen attention (FlashAttention-2 with cu_seqlens; with no GQA argument
@@ -27,7 +29,7 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3build.compilation import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+PRESETS = {"llama8b": (32, 8, 128), "kimi": (56, 8, 128)}  # query heads, KV heads, head dim
 
 
 def timed(fn, grads, iters: int) -> dict:
@@ -54,6 +56,7 @@ def timed(fn, grads, iters: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--preset", default="llama8b", choices=list(PRESETS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--docs", type=int, default=1, choices=(1, 2), help="packed samples in the sequence")
     ap.add_argument("--no-autotune", dest="autotune", action="store_false", help="skip max-autotune (slow to compile)")
@@ -61,6 +64,7 @@ def main() -> int:
                     help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
     T, dev = args.seq, "cuda"
+    HEADS, KV_HEADS, HEAD_DIM = PRESETS[args.preset]
     torch.manual_seed(0)
     q = torch.randn(1, HEADS, T, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, KV_HEADS, T, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -71,6 +75,8 @@ def main() -> int:
     start = T // 3 if args.docs == 2 else 0  # where the last sample starts
     doc[start:] = args.docs - 1
     scale = HEAD_DIM**-0.5
+    pairs = sum(n * (n + 1) // 2 for n in ((T - start, start) if start else (T,)))
+    flops_fwd = 4 * pairs * HEADS * HEAD_DIM
     block_mask = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (doc[ki] == doc[qi]), None, None, T, T, device=dev)
     aux = AuxRequest(lse=True)
 
@@ -101,6 +107,8 @@ def main() -> int:
     for opts in (dict(USE_TMA=True),
                  dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                  dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2),
+                 dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=3),
+                 dict(bwd_BLOCK_M1=64, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=3),
                  dict(bwd_BLOCK_M1=32, bwd_BLOCK_N1=128, bwd_BLOCK_M2=128, bwd_BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
                  dict(USE_TMA=True, PRESCALE_QK=True)):
         impls[f"flex, {opts}"] = flex(compiled(flex_attention, dynamic=False), opts)
@@ -114,6 +122,8 @@ def main() -> int:
         torch.compiler.reset()  # every variant compiles the same function: past the recompile limit it runs eager
         try:
             row.update(timed(fn, grads, args.iters))
+            # Attended (query, key) pairs × 4 FLOPs (QK^T and PV) per head dim per head; backward does 2.5× that.
+            row["fwd_bwd_tflops"] = round(3.5 * flops_fwd / row["fwd_bwd_ms"] / 1e9, 1)
             with torch.no_grad():
                 out, lse = fn()
             row["max_abs_diff_out"] = float((out - ref_out).abs().max())
@@ -122,6 +132,7 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
+              "preset": args.preset,
               "torch": torch.__version__, "python": platform.python_version(), "rows": rows}
     for row in rows:
         print(json.dumps(row))
