@@ -3,9 +3,9 @@
     python bench/attention_kernels.py --seq 4096 --out $OUT/attention_kernels.json      # on the GPU
     python bench/attention_kernels.py --preset kimi --seq 8192 --no-autotune --out $OUT/attention_kernels_kimi.json
 
-Shape (--preset): the Llama-8B head (32 query heads, 8 KV heads, head_dim 128; the default) or the Kimi-K2.5
-head of bench/train_throughput.py's `kimi` preset (56 / 8 × 128), bf16, one sample of T tokens (the peers'
-data; --docs 2: two packed samples, 1/3 and 2/3 of T), with the log-sum-exp the TTT merge needs.
+Shape (--preset, bench/train_throughput.py's presets): the Llama-8B head (32 query heads, 8 KV heads,
+head_dim 128; the default) or e.g. `kimi` (56 / 8 × 128), bf16, one sample of T tokens (the peers' data;
+--docs 2: two packed samples, 1/3 and 2/3 of T), with the log-sum-exp the TTT merge needs.
 Timed per call (fwd + bwd, and fwd alone under no_grad), after warm-up. Alternatives: flex compiled with
 `max-autotune` (autotunes its block sizes), flex with hand-set block sizes or TMA loads (`USE_TMA`, off by
 default on CUDA), and PyTorch's varlen attention (FlashAttention-2 with cu_seqlens; with no GQA argument
@@ -27,9 +27,9 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3build.compilation import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
+from train_throughput import PRESETS  # noqa: E402  (the layer shapes the training-step bench times)
 
-PRESETS = {"llama8b": (32, 8, 128), "kimi": (56, 8, 128)}  # query heads, KV heads, head dim
+from eagle3build.compilation import compiled  # noqa: E402  (torch.compile with the training step's Inductor settings)
 
 
 def timed(fn, grads, iters: int) -> dict:
@@ -64,7 +64,8 @@ def main() -> int:
                     help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
     T, dev = args.seq, "cuda"
-    HEADS, KV_HEADS, HEAD_DIM = PRESETS[args.preset]
+    shape = PRESETS[args.preset]
+    HEADS, KV_HEADS, HEAD_DIM = shape["heads"], shape["kv_heads"], shape["head_dim"]
     torch.manual_seed(0)
     q = torch.randn(1, HEADS, T, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, KV_HEADS, T, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
