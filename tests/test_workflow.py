@@ -203,30 +203,37 @@ def test_sigkill_mid_extraction_leaves_nothing_complete_and_rerun_is_partial(tmp
     assert len(list(hidden.glob("*.safetensors"))) == 6
 
 
+def portable_config() -> dict:
+    """base_config with the model and data by relative path, as a checkout on another host has them."""
+    cfg = base_config()
+    cfg["target"] = {"model": "models/stories", "chat_template": "data/chat_template.jinja"}
+    cfg["datasets"] = [{"name": "alpaca", "path": "data/alpaca_en_demo.json", "max_samples": 16}]
+    return cfg
+
+
+def fresh_checkout(path: Path, cfg: dict) -> Path:
+    """Another host's checkout: the workflow, and the model and data copied afresh (new mtimes)."""
+    wd = copy_workflow(path)
+    shutil.copytree(STORIES, wd / "models" / "stories", copy_function=shutil.copy)
+    (wd / "data").mkdir()
+    for asset in (TRAIN_DATA / "alpaca_en_demo.json", TEMPLATE):
+        shutil.copy(asset, wd / "data")
+    write_config(wd, cfg)
+    return wd
+
+
 def test_a_build_moved_to_another_host_plans_nothing(tmp_path):
     """The output root and Snakemake's records, copied into another checkout whose model and data were copied
     afresh (newer files than every output, new mtimes): the plan there is empty, and an `lr` edit plans what
     it plans at home."""
     if not STORIES.exists():
         pytest.skip("../shared/assets is absent")
-    cfg = base_config()
-    cfg["target"] = {"model": "models/stories", "chat_template": "data/chat_template.jinja"}
-    cfg["datasets"] = [{"name": "alpaca", "path": "data/alpaca_en_demo.json", "max_samples": 16}]
-
-    def checkout(path: Path) -> Path:
-        wd = copy_workflow(path)
-        shutil.copytree(STORIES, wd / "models" / "stories", copy_function=shutil.copy)  # new mtimes: a fresh copy
-        (wd / "data").mkdir()
-        for asset in (TRAIN_DATA / "alpaca_en_demo.json", TEMPLATE):
-            shutil.copy(asset, wd / "data")
-        write_config(wd, cfg)
-        return wd
-
-    first = checkout(tmp_path / "first")
+    cfg = portable_config()
+    first = fresh_checkout(tmp_path / "first", cfg)
     snakemake(first)
     stop_servers(first / "build" / ".run")
     time.sleep(1.1)  # every file of the second checkout is newer than every output
-    second = checkout(tmp_path / "second")
+    second = fresh_checkout(tmp_path / "second", cfg)
     # What docs/PRODUCTION.md ("Moving a build") says to carry; tar keeps the files' mtimes.
     archive = tmp_path / "build.tar"
     subprocess.run(["tar", "-cf", archive, "--exclude=build/.run", "build", ".snakemake/metadata"], cwd=first, check=True)
@@ -237,3 +244,24 @@ def test_a_build_moved_to_another_host_plans_nothing(tmp_path):
         write_config(wd, cfg, "config.changed.yaml")
     retrain = planned_jobs(second, config="config.changed.yaml")
     assert retrain == planned_jobs(first, config="config.changed.yaml") and set(retrain) == {"train", "export"}
+
+
+def test_tokens_built_on_a_cpu_host_are_not_built_again(tmp_path):
+    """docs/PRODUCTION.md ("Moving a build"): the tokens and vocabulary counts built on one host (`--until
+    vocab_count`), carried with Snakemake's records into another checkout with fresh copies of the model and
+    data: its plan starts at the vocabulary and the extractions."""
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    cfg = portable_config()
+    cpu = fresh_checkout(tmp_path / "cpu", cfg)
+    snakemake(cpu, "--until", "vocab_count")  # and the tokens it counts
+    assert not (cpu / "build" / "hidden").exists()
+    time.sleep(1.1)  # every file of the GPU host's checkout is newer than every output
+    gpu = fresh_checkout(tmp_path / "gpu", cfg)
+    archive = tmp_path / "upto-tokens.tar"
+    subprocess.run(["tar", "-cf", archive, "build/data", "build/tokens", "build/vocab", ".snakemake/metadata"],
+                   cwd=cpu, check=True)
+    subprocess.run(["tar", "-xf", archive], cwd=gpu, check=True)
+    jobs = planned_jobs(gpu)
+    assert set(jobs) == {"extract", "vocab", "train", "export"}, jobs
+    assert jobs["extract"] == planned_jobs(cpu)["extract"] == 2  # 16 samples in shards of 8
