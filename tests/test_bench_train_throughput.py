@@ -1,6 +1,6 @@
 """bench/train_throughput.py (and bench/train_vs_peers.sh, which runs it beside the peers): its CPU smoke run
 with the memory switches, its --dry memory plan at the Kimi shape, and the memory estimate against the peaks
-the GPU runs recorded."""
+the GPU runs recorded; bench/loss_kernels.py's CPU run."""
 
 from __future__ import annotations
 
@@ -227,3 +227,16 @@ def test_train_vs_peers_runs_both_peers_then_ours_trained_and_frozen_in_one_call
             assert r["ok"] and r["freeze_lm_head"] == frozen and r["attention"] == attention
             assert set(r["peers"]) == {"specforge", "speculators"}
     assert "flash, lm_head trained" in proc.stdout and "x specforge" in proc.stdout and "x speculators" in proc.stdout
+
+
+def test_loss_bench_alternative_gives_the_step_loss_sums(tmp_path):
+    """bench/loss_kernels.py on CPU at the tiny preset: every variant runs, and the gather-based top-1 count gives
+    the sums of the loss the step trains with."""
+    out = tmp_path / "loss.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "loss_kernels.py"), "--preset", "tiny", "--seq", "64",
+                           "--iters", "1", "--no-tuning", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
+    assert set(rows) == {"matmul", "as trained", "max gather"}
+    assert rows["max gather"]["loss_sum_max_rel_err"] < 1e-6 and rows["max gather"]["correct_diff"] == 0
