@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_throughput import PRESETS  # noqa: E402  (the layer shapes the training-step bench times)
+from train_throughput import PRESETS, sync  # noqa: E402  (the layer shapes the training-step bench times)
 
 from eagle3build.compilation import compiled  # noqa: E402
 from eagle3build.draft.model import Eagle3Draft, RMSNorm  # noqa: E402
-from eagle3build.ttt.loss import soft_cross_entropy  # noqa: E402
+from eagle3build.ttt.loss import soft_cross_entropy, step_loss_weights  # noqa: E402
 
 
 class Head(nn.Module):
@@ -62,19 +62,14 @@ def max_gather_cross_entropy(model, fused, hidden, target_probs, weight):
     return (weight * loss).sum(0), correct, weight.sum(0)
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, iters: int) -> float:
+def timed(fn, iters: int, device: torch.device) -> float:
     for _ in range(3):
         fn()
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    sync()
+    sync(device)
     return (time.perf_counter() - t0) / iters * 1e3
 
 
@@ -90,7 +85,7 @@ def main() -> int:
                     help="results file (bench/results/ format: this run replaces its device's entry)")
     args = ap.parse_args()
     shape, T, S = PRESETS[args.preset], args.seq, args.ttt
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a check of the script at the tiny preset
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a check of the script at the tiny preset
     H, K = shape["hidden"], shape["draft_vocab"]
     torch.manual_seed(0)
     head = Head(H, K).to(dev, torch.bfloat16)
@@ -99,7 +94,7 @@ def main() -> int:
     hidden = torch.randn(T, S, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
     target_probs = torch.softmax(torch.randn(T, K, device=dev) * 3, -1)
     weight = torch.ones(T, S, device=dev)
-    step_weights = 0.8 ** torch.arange(S, dtype=torch.float32, device=dev)
+    step_weights = step_loss_weights(S, 0.8, dev)  # train.step_weight's default
     grad_logits = torch.randn(T, S, K, device=dev, dtype=torch.bfloat16) * 1e-4
 
     logits = compiled(lambda: head.logits(hidden))  # compiled as the loss is: the norm fuses into its neighbours
@@ -115,7 +110,7 @@ def main() -> int:
         return call
 
     rows, sums = [], {}
-    matmul_ms = timed(matmul, args.iters)
+    matmul_ms = timed(matmul, args.iters, dev)
     rows.append({"variant": "matmul", "fwd_bwd_ms": round(matmul_ms, 3)})
     loss_bytes = 3 * T * S * K * 2
     variants = [("as trained", soft_cross_entropy), ("max gather", max_gather_cross_entropy)]
@@ -127,7 +122,7 @@ def main() -> int:
             t0 = time.perf_counter()
             sums[name] = [t.float().cpu() for t in call()]
             compile_s = time.perf_counter() - t0
-            ms = timed(call, args.iters)
+            ms = timed(call, args.iters, dev)
             loss_ms = ms - matmul_ms
             row = {"variant": name + (", tuned" if tuned else ""), "fwd_bwd_ms": round(ms, 3),
                    "loss_ms": round(loss_ms, 3), "first_call_s": round(compile_s, 1),
@@ -138,7 +133,8 @@ def main() -> int:
                 row["correct_diff"] = float((sums[name][1] - ref[1]).abs().max())
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
+    device_name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu"
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name,
               "preset": args.preset, "shape": {"T": T, "ttt": S, "hidden": H, "draft_vocab": K},
               "lm_head": "trained" if args.train_lm_head else "frozen", "torch": torch.__version__,
               "python": platform.python_version(), "rows": rows}
