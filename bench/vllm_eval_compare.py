@@ -96,7 +96,8 @@ def compare_set(args, target: dict, name: str, spec: str) -> dict:
     out = {"questions": v["questions"], "turns": {"hf": h["turns"], "vllm": v["turns"]}, "max_new_tokens": int(max_new),
            "hf": {**tau_row(h, k), "device": hf_report["device"], "dtype": hf_report["dtype"]},
            "vllm": {**tau_row(v, k), "mismatches_vs_target_alone": v["k"][str(k)]["mismatches"],
-                    "tokens_per_s": v["k"][str(k)]["tokens_per_s"], "baseline_tokens_per_s": v["baseline"]["tokens_per_s"]}}
+                    "tokens_per_s": v["k"][str(k)]["tokens_per_s"],
+                    "baseline_tokens_per_s": None if v["baseline"].get("skipped") else v["baseline"]["tokens_per_s"]}}
     out["relative_difference"] = out["vllm"]["tau"] / out["hf"]["tau"] - 1
     print(f"{name}: tau@{k} vllm {out['vllm']['tau']:.4f} hf {out['hf']['tau']:.4f} "
           f"({out['relative_difference']:+.1%})", flush=True)

@@ -161,6 +161,17 @@ def test_eval_compare_smoke_reads_tau_from_both_evaluators(tmp_path):
         assert r["spec_tokens"] == r["base_tokens"] > 0
 
 
+def test_eval_compare_without_baseline_reports_no_baseline_numbers(tmp_path):
+    """--no-baseline (how the T = 1 run on the H100 ran): no server without the draft for the sets, so no
+    mismatch count and no baseline tokens/s, written as null rather than as a measured 0."""
+    if not STORIES.exists():
+        pytest.skip("../shared/assets is absent")
+    run = smoke("vllm_eval_compare.py", tmp_path, "--smoke", "--temperature", "1.0", "--no-baseline")
+    for s in run["sets"].values():
+        assert s["vllm"]["baseline_tokens_per_s"] is None and s["vllm"]["mismatches_vs_target_alone"] is None
+        assert s["vllm"]["tokens_per_s"] > 0 and s["vllm"]["at_temperature"]["1.0"]["tau"] == pytest.approx(2.0)
+
+
 def test_variant_load_smoke_serves_each_variant_from_the_plain_head(tmp_path):
     if not STORIES.exists():
         pytest.skip("../shared/assets is absent")
@@ -265,6 +276,15 @@ def test_recorded_h100_results_hold_what_benchmarks_md_states():
     assert abs(mt["relative_difference"]) < 0.05  # the bar: vLLM's tau@3 within 5% of the evaluator's
     speeds = {r["concurrency"]: r for r in ev["speed"]}
     assert round(speeds[1]["ratio"], 2) == 1.17 and round(speeds[16]["ratio"], 2) == 0.74
+    t1 = recorded("vllm_eval_compare_t1")
+    assert (t1["date"], t1["commit"]) == ("2026-12-07", "dbfc1d0")
+    mt = t1["sets"]["mt_bench"]
+    assert mt["turns"] == {"hf": 80, "vllm": 80}
+    assert round(mt["hf"]["tau"], 3) == 2.680 and round(mt["vllm"]["tau"], 3) == 2.661
+    hf1, v1 = mt["hf"]["at_temperature"]["1.0"], mt["vllm"]["at_temperature"]["1.0"]
+    assert round(hf1["tau"], 3) == 1.914 and round(v1["tau"], 3) == 1.863
+    assert v1["draft_sample_method"] == "probabilistic" and v1["turns"] == 80
+    assert abs(mt["at_temperature_relative_difference"]["1.0"]) < 0.05  # the bar, at T = 1 too
     tp = recorded("vllm_extract_throughput")
     assert (tp["date"], tp["commit"]) == ("2026-12-05", "f164093")
     rows = {(r["backend"], r.get("concurrency"), r.get("storage")): r for r in tp["rows"]}
