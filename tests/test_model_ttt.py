@@ -11,8 +11,8 @@ from eagle3build.attention.factory import make_attention
 from eagle3build.attention.merged import MathMergedAttention
 from eagle3build.draft.model import DraftConfig, Eagle3Draft
 from eagle3build.draft.target import TargetHead
-from eagle3build.ttt.batch import pack, with_greedy_in_draft, with_loss_rows
-from eagle3build.ttt.forward import ttt_forward
+from eagle3build.ttt.batch import pack, with_greedy_in_draft, with_loss_rows, with_step_rows
+from eagle3build.ttt.forward import gather_rows, ttt_forward
 from eagle3build.ttt.loss import step_loss_weights, weighted_loss
 from eagle3build.ttt.scorer import TargetScorer
 
@@ -230,6 +230,42 @@ def test_loss_layout_alignment():
     moved = with_loss_rows(batch, 3).to("cpu", torch.float16)
     assert moved.aux.dtype == torch.float16 and moved.loss_weight.dtype == torch.bool
     assert moved.loss_source.dtype == torch.int64
+
+
+def test_loss_rows_gather_writes_each_gradient_once_and_matches_index_select():
+    """The loss rows' gather (gather_rows) copies each row's gradient into place instead of adding it: exact
+    because within a step the output rows with a loss are distinct and every other entry goes to a scratch
+    row, also where step rows and clamping make two entries read one row."""
+    ids = torch.arange(40)
+    mask = (torch.arange(40) % 7 >= 2) & (torch.arange(40) % 13 != 4)
+    lengths = [6, 1, 9, 14, 10]  # a one-token sample, and several boundaries
+    parts, start = [], 0
+    for n in lengths:
+        parts.append((ids[start : start + n], mask[start : start + n], torch.zeros(n, 4, HT)))
+        start += n
+    laid = with_step_rows(with_loss_rows(pack(parts), 7, multiple=8), multiple=4)
+    assert laid.step_rows is not None  # the case where sources are indexed among the step rows
+    r = len(laid.step_rows)
+    duplicate_read = False
+    for src, scatter, w in zip(laid.loss_source, laid.loss_scatter, laid.loss_weight, strict=True):
+        assert torch.equal(scatter[w], src[w]) and (scatter[~w] == r).all()
+        assert len(set(src[w].tolist())) == int(w.sum())  # distinct, so a copy is exact
+        duplicate_read |= len(set(src.tolist())) < len(src)
+    assert duplicate_read  # without the scratch row a zero gradient could land on a real one
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(r, 5, generator=g, requires_grad=True)
+    lost = False
+    for src, scatter, w in zip(laid.loss_source, laid.loss_scatter, laid.loss_weight, strict=True):
+        upstream = torch.randn(len(src), 5, generator=g) * w[:, None]  # weight-0 rows: exactly 0
+        (ours,) = torch.autograd.grad(gather_rows(x, src, scatter), x, upstream)
+        (reference,) = torch.autograd.grad(x.index_select(0, src), x, upstream)
+        assert torch.equal(ours, reference)
+        # without the scratch row: entries sent to the rows they read, the weight-0 ones last (CPU's
+        # index_copy writes in order), so a zero gradient overwrites a real one where two entries share a row
+        last = torch.argsort((~w).int(), stable=True)
+        (copied,) = torch.autograd.grad(gather_rows(x, src[last], src[last]), x, upstream[last])
+        lost |= not torch.equal(copied, reference)
+    assert lost  # the scratch row is what makes the copy exact
 
 
 def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():

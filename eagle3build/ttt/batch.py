@@ -32,6 +32,9 @@ class PackedBatch:
     loss_rows: torch.Tensor | None = None  # int64 [M]: the target rows j the loss reads
     loss_source: torch.Tensor | None = None  # int64 [k, M]: step s's output row for j, j - 1 - s (clamped)
     loss_weight: torch.Tensor | None = None  # bool [k, M]: row j carries a loss at step s
+    # int64 [k, M]: loss_source where row j carries a loss at step s, else one past the last row, so the
+    # gradient of step s's gather writes each output row once (ttt.forward.gather_rows)
+    loss_scatter: torch.Tensor | None = None
     # with_step_rows; None: every step computes every row. Otherwise the rows whose output the steps
     # compute (step 0's keys and values at every row), and loss_source indexes into them:
     step_rows: torch.Tensor | None = None  # int64 [R], sorted
@@ -181,7 +184,9 @@ def loss_layout(batch: PackedBatch, rows: torch.Tensor, steps: int) -> PackedBat
         weight &= batch.greedy_in_draft[j]
     if batch.step_rows is not None:
         source = torch.searchsorted(batch.step_rows, source).clamp(max=len(batch.step_rows) - 1)
-    return replace(batch, loss_rows=rows, loss_source=source, loss_weight=weight)
+    # the output rows with a loss at one step are distinct (j -> j - 1 - s), the rest share one scratch row
+    scatter = torch.where(weight, source, n if batch.step_rows is None else len(batch.step_rows))
+    return replace(batch, loss_rows=rows, loss_source=source, loss_weight=weight, loss_scatter=scatter)
 
 
 def with_step_rows(batch: PackedBatch, multiple: int = 1) -> PackedBatch:

@@ -47,6 +47,31 @@ def _feedback(model, out):
     return model.feedback(out)
 
 
+class _GatherRows(torch.autograd.Function):
+    """x.index_select(0, index) whose backward writes each row's gradient into place once (index_copy)
+    instead of accumulating it (index_select's backward, an index_add: on CUDA one atomic add per element,
+    far below the memory's bandwidth; BENCHMARKS.md §2). `scatter` is `index` with every
+    entry that carries no gradient sent to one scratch row past the end; the others must be distinct.
+    A gradient that is exactly 0 at those entries (a weight-0 loss row) then makes it index_select's exactly."""
+
+    @staticmethod
+    def forward(ctx, x, index, scatter):
+        ctx.save_for_backward(scatter)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scatter,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.rows + 1, *grad.shape[1:])  # + the scratch row
+        return out.index_copy_(0, scatter, grad)[: ctx.rows], None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, scatter: torch.Tensor) -> torch.Tensor:
+    """x [R, ...] at rows `index` [M]; gradients through `scatter` [M] (rows in 0..R, R: none), see _GatherRows."""
+    return _GatherRows.apply(x, index, scatter)
+
+
 def ttt_forward(
     model: Eagle3Draft,
     batch: PackedBatch,
@@ -97,8 +122,8 @@ def ttt_forward(
     # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
     embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
     # Row gathers with gradients are index_select, not advanced indexing: its backward is a fill and one
-    # index_add (deterministic here: a row is gathered twice only where all but one copy carry a zero
-    # gradient), advanced indexing's a sorted, accumulating index_put (slower)
+    # index_add, advanced indexing's a sorted, accumulating index_put (slower). The loss rows' gather
+    # (gather_rows) writes its gradient without accumulating: each output row has a loss at most once.
     rows = batch.step_rows
 
     def layer(s, hidden, keys, values):  # step s's layer: (its output, its keys, its values)
@@ -129,7 +154,7 @@ def ttt_forward(
             hidden, k, v = layer(s, hidden, keys, values)
         keys.append(k)
         values.append(v)
-        at_target.append(hidden.flatten(0, 1).index_select(0, source[s]))  # a view: no select backward
+        at_target.append(gather_rows(hidden.flatten(0, 1), source[s], batch.loss_scatter[s]))  # flatten: a view
         if feedback is not None and s + 1 < steps:  # norm_output: the next step reads the normed output
             hidden = feedback(model, hidden)
     at_target = torch.stack(at_target, dim=1)  # [M, S, H]
