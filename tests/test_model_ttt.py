@@ -268,6 +268,32 @@ def test_loss_rows_gather_writes_each_gradient_once_and_matches_index_select():
     assert lost  # the scratch row is what makes the copy exact
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_diagonal_merge_gives_gradients_in_the_token_major_layout_of_its_inputs(compile):
+    """q, keys and values are token-major in memory, as are the causal kernel's gradients. The merge's
+    gradients must be too: autograd adds q's two gradients (and the keys' across steps), and an addition of
+    a head-major and a token-major tensor reads one across strides (a third of the memory's bandwidth)."""
+    from eagle3build.attention.merge import merge_diagonal
+
+    g = torch.Generator().manual_seed(0)
+    n, nh, nkv, hd = 24, 6, 2, 8
+
+    def token_major(heads):  # [1, heads, n, hd] over [1, n, heads, hd] memory, as the projections write it
+        return torch.randn(1, n, heads, hd, generator=g).transpose(1, 2).requires_grad_()
+
+    q, causal_out = token_major(nh), token_major(nh)
+    lse = torch.randn(1, nh, n, generator=g, requires_grad=True)
+    keys, values = [token_major(nkv) for _ in range(3)], [token_major(nkv) for _ in range(3)]
+    out = merge_diagonal(q, causal_out, lse, keys, values, 0.3, compile)
+    grads = torch.autograd.grad(out.float().square().sum(), [q, causal_out, *keys, *values])
+    for x, grad in zip([q, causal_out, *keys, *values], grads, strict=True):
+        assert grad.stride() == x.stride(), (grad.stride(), x.stride())
+    # and the merge is the softmax over [causal keys] + [diagonals]: against the head-major reference
+    reference = merge_diagonal(*(t.detach().contiguous() for t in (q, causal_out, lse)),
+                               [k.detach().contiguous() for k in keys], [v.detach().contiguous() for v in values], 0.3)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():
     model, _, scorer = tiny_draft()
     g = torch.Generator().manual_seed(1)

@@ -25,8 +25,13 @@ CheckpointError (BENCHMARKS.md §2, long sequences). The rows N may turn dynamic
 every step of a batch has the same N, so no step's compilation can serve another's.
 
 Shapes: q, outputs [1, nh, N, hd]; log-sum-exps [1, nh, N] (fp32, natural log, scale applied); each
-diagonal key or value [1, nkv, N, hd]; query heads grouped by their kv head [1, nkv, g, N, ...] (g = nh / nkv).
-Products of an fp32 weight and a bf16 tensor promote to fp32, and autograd then keeps the bf16 tensor.
+diagonal key or value [1, nkv, N, hd]; query heads grouped by their kv head [1, nkv, g, N, ...] (g = nh / nkv),
+or token-major [1, N, nkv, g, ...] in `merge_forward`. q, keys and values are token-major in memory (the draft's
+projections write [1, N, heads, hd]), and so is the gradient the causal kernel gives q: the forward merge
+computes token-major, so that the gradients autograd derives from it are laid out alike and add to the kernel's
+without a strided pass (head-major, each step's dq addition read q's gradient across strides, at a third of the
+memory's bandwidth; BENCHMARKS.md §2). Products of an fp32 weight and a bf16 tensor promote to fp32, and
+autograd then keeps the bf16 tensor.
 """
 
 from __future__ import annotations
@@ -45,31 +50,39 @@ def grouped_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def token_major(t: torch.Tensor) -> torch.Tensor:
     """[1, N, heads, d] memory seen as [1, heads, N, d]: the layout the varlen kernels read and write
-    without copies, and the one o_proj reads (attn_out.transpose(1, 2) is then a view)."""
+    without copies, and the one o_proj reads (attn_out.transpose(1, 2) is then a view). Its own inverse."""
     return t.transpose(1, 2)
 
 
-def diagonal_score(qg, k, scale):
-    """Each query's score against one diagonal key: qg [1, nkv, g, N, hd], k [1, nkv, N, hd] -> fp32
-    [1, nkv, g, N] (the product in the inputs' dtype, summed in fp32)."""
-    return (qg * k.unsqueeze(2)).float().sum(-1) * scale
+def token_groups(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[1, heads, N, ...] -> [1, N, nkv, heads / nkv, ...]: token-major, heads grouped by their kv head (a view)."""
+    return t.transpose(1, 2).unflatten(2, (kv_heads, -1))
+
+
+def diagonal_score(qg, kg, scale):
+    """Each query's score against one diagonal key: qg grouped queries, kg the key broadcast over the group
+    (either grouping) -> fp32, less the head dim (the product in the inputs' dtype, summed in fp32)."""
+    return (qg * kg).float().sum(-1) * scale
 
 
 def merge_forward(q, causal_out, causal_lse, keys, values, scale):
     """The merged softmax's output (q's dtype, token-major) and log-sum-exp (fp32) over the causal keys
     (output and log-sum-exp of the causal attention) and the diagonals, s keys and values [1, nkv, N, hd].
-    merge_diagonal differentiates it with autograd; attention.kernel pairs it with `merge_backward`."""
+    merge_diagonal differentiates it with autograd; attention.kernel pairs it with `merge_backward`.
+    Computed token-major (the module doc)."""
     nkv = keys[0].shape[1]
-    qg = grouped_heads(q, nkv)  # [1, nkv, g, N, hd]
+    qg = token_groups(q, nkv)  # [1, N, nkv, g, hd]
     scores = torch.stack(
-        [grouped_heads(causal_lse, nkv).float()] + [diagonal_score(qg, k, scale) for k in keys], -1
-    )  # [1, nkv, g, N, 1 + s]
-    lse = torch.logsumexp(scores, dim=-1)  # [1, nkv, g, N]
+        [token_groups(causal_lse, nkv).float()]
+        + [diagonal_score(qg, token_major(k).unsqueeze(3), scale) for k in keys],
+        -1,
+    )  # [1, N, nkv, g, 1 + s]
+    lse = torch.logsumexp(scores, dim=-1)  # [1, N, nkv, g]
     weights = torch.exp(scores - lse.unsqueeze(-1))
-    out = weights[..., 0, None] * grouped_heads(causal_out, nkv)  # fp32 [1, nkv, g, N, hd]
+    out = weights[..., 0, None] * token_groups(causal_out, nkv)  # fp32 [1, N, nkv, g, hd]
     for i, v in enumerate(values, 1):
-        out = out + weights[..., i, None] * v.unsqueeze(2)
-    return token_major(out.to(q.dtype).flatten(1, 2).transpose(1, 2).contiguous()), lse.flatten(1, 2)
+        out = out + weights[..., i, None] * token_major(v).unsqueeze(3)
+    return token_major(out.to(q.dtype).flatten(2, 3)), token_major(lse.flatten(2, 3)).contiguous()
 
 
 def merge_backward(dout, q, out, lse, keys, values, scale):
@@ -81,7 +94,7 @@ def merge_backward(dout, q, out, lse, keys, values, scale):
     qg, dog, lse_g = grouped_heads(q, nkv), grouped_heads(dout, nkv), grouped_heads(lse, nkv)  # [1, nkv, g, N, ...]
     dq, dks, dvs = 0, [], []
     for k, v in zip(keys, values, strict=True):
-        weight = torch.exp(diagonal_score(qg, k, scale) - lse_g)  # [1, nkv, g, N]
+        weight = torch.exp(diagonal_score(qg, k.unsqueeze(2), scale) - lse_g)  # [1, nkv, g, N]
         d_score = weight * ((dog * v.unsqueeze(2)).float().sum(-1) - delta) * scale
         dq = dq + d_score.unsqueeze(-1) * k.unsqueeze(2)
         dks.append((d_score.unsqueeze(-1) * qg).sum(2).to(k.dtype))  # [1, nkv, N, hd]

@@ -136,7 +136,8 @@ def ttt_forward(
             step_embed_qkv = embed_qkv.index_select(0, at + 1 + s).unsqueeze(0)
         q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
         attn_out = attention(q, [*keys, k], [*values, v], batch.doc, s, scale, at)  # [1, nh, R, hd]
-        attn_rows = attn_out[0].transpose(0, 1)  # [R, nh, hd]
+        # squeeze, not [0]: a view in backward too ([0]'s backward fills a zero tensor and copies the gradient in)
+        attn_rows = attn_out.squeeze(0).transpose(0, 1)  # [R, nh, hd]
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
             attn_rows, residual = attn_rows.index_select(0, rows), residual.index_select(1, rows)
         # [1, R, nh * hd], laid out alike at every step: the attention kernel's output (step 0) and the
