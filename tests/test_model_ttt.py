@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3build.attention.factory import make_attention
 from eagle3build.attention.merged import MathMergedAttention
@@ -268,6 +269,21 @@ def test_loss_rows_gather_writes_each_gradient_once_and_matches_index_select():
     assert lost  # the scratch row is what makes the copy exact
 
 
+class _StridedAdds(TorchDispatchMode):
+    """Records additions of two same-shaped tensors laid out differently (a pass across strides)."""
+
+    def __enter__(self):
+        self.seen = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor):
+            a, b = args[:2]
+            if isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() != b.stride():
+                self.seen.append((tuple(a.shape), a.stride(), b.stride()))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_diagonal_merge_gives_gradients_in_the_token_major_layout_of_its_inputs(compile):
     """q, keys and values are token-major in memory, as are the causal kernel's gradients. The merge's
@@ -278,8 +294,8 @@ def test_diagonal_merge_gives_gradients_in_the_token_major_layout_of_its_inputs(
     g = torch.Generator().manual_seed(0)
     n, nh, nkv, hd = 24, 6, 2, 8
 
-    def token_major(heads):  # [1, heads, n, hd] over [1, n, heads, hd] memory, as the projections write it
-        return torch.randn(1, n, heads, hd, generator=g).transpose(1, 2).requires_grad_()
+    def token_major(heads, rows=n):  # [1, heads, rows, hd] over [1, rows, heads, hd] memory, as the projections write it
+        return torch.randn(1, rows, heads, hd, generator=g).transpose(1, 2).requires_grad_()
 
     q, causal_out = token_major(nh), token_major(nh)
     lse = torch.randn(1, nh, n, generator=g, requires_grad=True)
@@ -292,6 +308,25 @@ def test_diagonal_merge_gives_gradients_in_the_token_major_layout_of_its_inputs(
     reference = merge_diagonal(*(t.detach().contiguous() for t in (q, causal_out, lse)),
                                [k.detach().contiguous() for k in keys], [v.detach().contiguous() for v in values], 0.3)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+    # queries at some rows only (with_step_rows): q's gradient through the copy into the kernel's full-length
+    # queries is token-major too, and the outputs are the full-length attention's at those rows
+    rows = torch.tensor([1, 4, 5, 9, 17, 23])
+    doc = torch.zeros(n, dtype=torch.long)
+    attention = MathMergedAttention(compile)
+    q_rows = token_major(nh, len(rows))
+    diagonals = [token_major(nkv, len(rows)) for _ in range(4)]
+    at_rows = attention(q_rows, [keys[0], *diagonals[:2]],
+                        [values[0], *diagonals[2:]], doc, 2, 0.3, rows)
+    with _StridedAdds() as strided:
+        torch.autograd.grad(at_rows.float().square().sum(), q_rows)
+    assert not strided.seen  # q's two gradients (the copy's, the merge's) are laid out alike
+    full = torch.zeros(1, nh, n, hd)
+    full[:, :, rows] = q_rows.detach()
+    diagonal_full = [torch.zeros(1, nkv, n, hd).index_copy(2, rows, d.detach()) for d in diagonals]
+    everywhere = attention(full, [keys[0].detach(), *diagonal_full[:2]], [values[0].detach(), *diagonal_full[2:]],
+                           doc, 2, 0.3)
+    torch.testing.assert_close(at_rows, everywhere[:, :, rows], atol=1e-5, rtol=1e-5)
 
 
 def test_inference_layer_with_cache_matches_full_pass_and_ttt_step0():
