@@ -287,33 +287,38 @@ class _StridedAdds(TorchDispatchMode):
 @pytest.mark.parametrize("compile", [False, True])
 def test_diagonal_merge_gives_gradients_in_the_token_major_layout_of_its_inputs(compile):
     """q, keys and values are token-major in memory, as are the causal kernel's gradients. The merge's
-    gradients must be too: autograd adds q's two gradients (and the keys' across steps), and an addition of
-    a head-major and a token-major tensor reads one across strides (a third of the memory's bandwidth)."""
+    gradients for them must be too: autograd adds q's two gradients (and the keys' across steps), and an
+    addition of a head-major and a token-major tensor reads one across strides (a third of the memory's
+    bandwidth). Compiled, also once the rows turn dynamic (a second batch length), where Inductor chooses
+    layouts anew. (The causal output's gradient only feeds the kernel's backward, which reads any strides.)"""
     from eagle3build.attention.merge import merge_diagonal
 
     g = torch.Generator().manual_seed(0)
-    n, nh, nkv, hd = 24, 6, 2, 8
+    nh, nkv, hd = 6, 2, 8
 
-    def token_major(heads, rows=n):  # [1, heads, rows, hd] over [1, rows, heads, hd] memory, as the projections write it
+    def token_major(heads, rows):  # [1, heads, rows, hd] over [1, rows, heads, hd] memory, as the projections write it
         return torch.randn(1, rows, heads, hd, generator=g).transpose(1, 2).requires_grad_()
 
-    q, causal_out = token_major(nh), token_major(nh)
-    lse = torch.randn(1, nh, n, generator=g, requires_grad=True)
-    keys, values = [token_major(nkv) for _ in range(3)], [token_major(nkv) for _ in range(3)]
-    out = merge_diagonal(q, causal_out, lse, keys, values, 0.3, compile)
-    grads = torch.autograd.grad(out.float().square().sum(), [q, causal_out, *keys, *values])
-    for x, grad in zip([q, causal_out, *keys, *values], grads, strict=True):
-        assert grad.stride() == x.stride(), (grad.stride(), x.stride())
-    # and the merge is the softmax over [causal keys] + [diagonals]: against the head-major reference
-    reference = merge_diagonal(*(t.detach().contiguous() for t in (q, causal_out, lse)),
-                               [k.detach().contiguous() for k in keys], [v.detach().contiguous() for v in values], 0.3)
-    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    for n in (24, 40):  # the second length compiles with dynamic rows
+        q, causal_out = token_major(nh, n), token_major(nh, n)
+        lse = torch.randn(1, nh, n, generator=g, requires_grad=True)
+        keys, values = [token_major(nkv, n) for _ in range(3)], [token_major(nkv, n) for _ in range(3)]
+        out = merge_diagonal(q, causal_out, lse, keys, values, 0.3, compile)
+        grads = torch.autograd.grad(out.float().square().sum(), [q, *keys, *values])
+        for x, grad in zip([q, *keys, *values], grads, strict=True):
+            assert grad.stride() == x.stride(), (n, grad.stride(), x.stride())
+        # and the merge is the softmax over [causal keys] + [diagonals]: against the head-major reference
+        reference = merge_diagonal(*(t.detach().contiguous() for t in (q, causal_out, lse)),
+                                   [k.detach().contiguous() for k in keys], [v.detach().contiguous() for v in values],
+                                   0.3)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
     # queries at some rows only (with_step_rows): q's gradient through the copy into the kernel's full-length
     # queries is token-major too, and the outputs are the full-length attention's at those rows
-    rows = torch.tensor([1, 4, 5, 9, 17, 23])
+    n, rows = 24, torch.tensor([1, 4, 5, 9, 17, 23])
     doc = torch.zeros(n, dtype=torch.long)
     attention = MathMergedAttention(compile)
+    keys, values = [token_major(nkv, n)], [token_major(nkv, n)]  # step 0's, at every row
     q_rows = token_major(nh, len(rows))
     diagonals = [token_major(nkv, len(rows)) for _ in range(4)]
     at_rows = attention(q_rows, [keys[0], *diagonals[:2]],

@@ -121,9 +121,10 @@ def ttt_forward(
     # Step s reads the ids shifted by 1 + s (token 0 past the end): the embedding half of its q/k/v is
     # rows 1 + s .. n + s of one projection of the padded ids, made once for all steps.
     embed_qkv = model.embed_qkv(F.pad(batch.input_ids, (0, steps)), fused)
-    # Row gathers with gradients are index_select, not advanced indexing: its backward is a fill and one
-    # index_add, advanced indexing's a sorted, accumulating index_put (slower). The loss rows' gather
-    # (gather_rows) writes its gradient without accumulating: each output row has a loss at most once.
+    # Row gathers with gradients are gather_rows: index_select, whose backward copies each row's gradient
+    # into place (advanced indexing's backward is a sorted, accumulating index_put; index_select's an
+    # index_add with atomics). Exact: the step rows are distinct, and a step's loss rows read each row at
+    # most once where there is a loss (the others go to a scratch row, batch.loss_scatter).
     rows = batch.step_rows
 
     def layer(s, hidden, keys, values):  # step s's layer: (its output, its keys, its values)
@@ -133,13 +134,13 @@ def ttt_forward(
             step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
         else:
             position = (batch.position[at] + s).unsqueeze(0)
-            step_embed_qkv = embed_qkv.index_select(0, at + 1 + s).unsqueeze(0)
+            step_embed_qkv = gather_rows(embed_qkv, at + 1 + s, at + 1 + s).unsqueeze(0)
         q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
         attn_out = attention(q, [*keys, k], [*values, v], batch.doc, s, scale, at)  # [1, nh, R, hd]
         # squeeze, not [0]: a view in backward too ([0]'s backward fills a zero tensor and copies the gradient in)
         attn_rows = attn_out.squeeze(0).transpose(0, 1)  # [R, nh, hd]
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
-            attn_rows, residual = attn_rows.index_select(0, rows), residual.index_select(1, rows)
+            attn_rows, residual = gather_rows(attn_rows, rows, rows), gather_rows(residual.squeeze(0), rows, rows)[None]
         # [1, R, nh * hd], laid out alike at every step: the attention kernel's output (step 0) and the
         # diagonal merge's (later steps, strides of Inductor's choosing) differ, and dynamo guards strides,
         # so each layout would compile layer_out again for every batch length. A view where the rows are
