@@ -10,7 +10,9 @@ the draft vocab fp32 [T, K], every row weighted. Timed per call after warm-up, f
 - `as trained`: ttt.loss.soft_cross_entropy compiled as the step compiles it.
 - `max gather`: the same loss with the draft's top-1 hit read as "the logit at the target's argmax is the
   row's max" (a gather) rather than an argmax inside the reduction over the logits.
-- each of the two with Inductor's coordinate-descent tuning (`tuned`).
+- `as trained, rows dynamic`: as trained with the rows' dimension marked dynamic, as the step marks it (the
+  number of loss rows varies from batch to batch there): the bench's other rows compile for static shapes.
+- each of these with Inductor's coordinate-descent tuning (`tuned`).
 The loss part of each is its time less `matmul`'s; the bytes the loss must move at least (logits read in
 forward and in backward, their gradient written: 3 × T·k·K × 2 bytes) over that time is its bandwidth.
 The alternatives' three sums are checked against `as trained`.
@@ -102,9 +104,15 @@ def main() -> int:
     def matmul():
         logits().backward(grad_logits)
 
-    def loss_call(fn):
+    def loss_call(fn, dynamic_rows: bool):
+        inputs = (hidden, target_probs, weight)
+        if dynamic_rows:  # other tensor objects: a mark stays on the tensor and would reach the static variants
+            inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)  # as ttt_forward marks the loss's inputs
+
         def call():
-            loss_sum, correct, count = fn(head, None, hidden, target_probs, weight)
+            loss_sum, correct, count = fn(head, None, *inputs)
             (step_weights * loss_sum / count).sum().backward()
             return loss_sum.detach(), correct, count
         return call
@@ -113,12 +121,13 @@ def main() -> int:
     matmul_ms = timed(matmul, args.iters, dev)
     rows.append({"variant": "matmul", "fwd_bwd_ms": round(matmul_ms, 3)})
     loss_bytes = 3 * T * S * K * 2
-    variants = [("as trained", soft_cross_entropy), ("max gather", max_gather_cross_entropy)]
+    variants = [("as trained", soft_cross_entropy, False), ("max gather", max_gather_cross_entropy, False),
+                ("as trained, rows dynamic", soft_cross_entropy, True)]
     for tuned in (False, True) if args.tuning else (False,):
         os.environ["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1" if tuned else "0"
-        for name, fn in variants:
+        for name, fn, dynamic_rows in variants:
             torch._dynamo.reset()
-            call = loss_call(compiled(fn))
+            call = loss_call(compiled(fn), dynamic_rows)
             t0 = time.perf_counter()
             sums[name] = [t.float().cpu() for t in call()]
             compile_s = time.perf_counter() - t0

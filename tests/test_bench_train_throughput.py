@@ -230,16 +230,17 @@ def test_train_vs_peers_runs_both_peers_then_ours_trained_and_frozen_in_one_call
 
 
 def test_loss_bench_alternative_gives_the_step_loss_sums(tmp_path):
-    """bench/loss_kernels.py on CPU at the tiny preset: every variant runs, and the gather-based top-1 count gives
-    the sums of the loss the step trains with."""
+    """bench/loss_kernels.py on CPU at the tiny preset: every variant runs, and the gather-based top-1 count and
+    the dynamic-rows compilation give the sums of the loss the step trains with."""
     out = tmp_path / "loss.json"
     proc = subprocess.run([sys.executable, str(BENCH / "loss_kernels.py"), "--preset", "tiny", "--seq", "64",
                            "--iters", "1", "--no-tuning", "--out", str(out)], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
-    assert set(rows) == {"matmul", "as trained", "max gather"}
-    assert rows["max gather"]["loss_sum_max_rel_err"] < 1e-6 and rows["max gather"]["correct_diff"] == 0
+    assert set(rows) == {"matmul", "as trained", "max gather", "as trained, rows dynamic"}
+    for variant in ("max gather", "as trained, rows dynamic"):
+        assert rows[variant]["loss_sum_max_rel_err"] < 1e-6 and rows[variant]["correct_diff"] == 0
 
 
 def test_recorded_loss_run_holds_what_benchmarks_md_states():
