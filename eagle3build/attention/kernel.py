@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3build.attention.dense import reference_attention
-from eagle3build.attention.merge import merge_backward, merge_forward, token_major
+from eagle3build.attention.merge import at_every_row, merge_backward, merge_forward
 from eagle3build.compilation import cached_compiled
 
 KERNELS = ("flash",)
@@ -133,7 +133,7 @@ class _KernelMergedAttention(torch.autograd.Function):
         if rows is None:
             every = q
         else:  # the kernel runs at its full length; the other rows' queries are 0 and their outputs dropped
-            every = token_major(q.new_zeros(q.shape[0], seg.n, q.shape[1], q.shape[3])).index_copy(2, rows, q)
+            every = at_every_row(q, seg.n, rows)
         causal_out, causal_lse = kernel.forward(every, k0, v0, seg, scale)
         at_rows = (causal_out, causal_lse) if rows is None else (causal_out[:, :, rows], causal_lse[:, :, rows])
         s = len(diagonals) // 2

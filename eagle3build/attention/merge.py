@@ -54,6 +54,13 @@ def token_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
+def at_every_row(q: torch.Tensor, n: int, rows: torch.Tensor) -> torch.Tensor:
+    """Queries q [1, nh, R, hd] at `rows` of n rows, 0 at the others: the full-length input a causal kernel
+    runs at. Token-major, and copied as whole rows of heads × hd, so that where autograd differentiates the
+    copy, q's gradient through it is token-major too (as the merge's, which it is added to)."""
+    return token_major(q.new_zeros(q.shape[0], n, q.shape[1], q.shape[3]).index_copy(1, rows, token_major(q)))
+
+
 def token_groups(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[1, heads, N, ...] -> [1, N, nkv, heads / nkv, ...]: token-major, heads grouped by their kv head (a view)."""
     return t.transpose(1, 2).unflatten(2, (kv_heads, -1))

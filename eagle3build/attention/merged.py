@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from eagle3build.attention.dense import dense_scores, step_mask
-from eagle3build.attention.merge import merge_diagonal, token_major
+from eagle3build.attention.merge import at_every_row, merge_diagonal, token_major
 
 
 class MergedAttention:
@@ -29,13 +29,10 @@ class MergedAttention:
         if rows is None:
             out, lse = self.causal(q, keys[0], values[0], doc, scale)
         else:  # queries at `rows` only: the causal kernel runs at the length it was built for (the
-            # other rows' queries are 0 and their outputs dropped, so they reach no gradient). Rows are
-            # copied and gathered in token-major memory (attention.merge), whole rows of heads × hd, so
-            # q's gradient through the copy is token-major like the merge's, which it is added to.
-            t = token_major
-            every = t(q.new_zeros(q.shape[0], len(doc), q.shape[1], q.shape[3]).index_copy(1, rows, t(q)))
-            out, lse = self.causal(every, keys[0], values[0], doc, scale)
-            out, lse = t(t(out).index_select(1, rows)), lse.index_select(2, rows)
+            # other rows' queries are 0 and their outputs dropped, so they reach no gradient). Outputs are
+            # gathered as whole token-major rows too (attention.merge.at_every_row)
+            out, lse = self.causal(at_every_row(q, len(doc), rows), keys[0], values[0], doc, scale)
+            out, lse = token_major(token_major(out).index_select(1, rows)), lse.index_select(2, rows)
         return merge_diagonal(q, out, lse, keys[1:], values[1:], scale, self.compile)
 
 

@@ -67,9 +67,10 @@ class _GatherRows(torch.autograd.Function):
         return out.index_copy_(0, scatter, grad)[: ctx.rows], None, None
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor, scatter: torch.Tensor) -> torch.Tensor:
-    """x [R, ...] at rows `index` [M]; gradients through `scatter` [M] (rows in 0..R, R: none), see _GatherRows."""
-    return _GatherRows.apply(x, index, scatter)
+def gather_rows(x: torch.Tensor, index: torch.Tensor, scatter: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, ...] at rows `index` [M]; gradients through `scatter` [M] (rows in 0..R, R: none), see _GatherRows.
+    scatter None: `index` itself, for distinct rows."""
+    return _GatherRows.apply(x, index, index if scatter is None else scatter)
 
 
 def ttt_forward(
@@ -134,13 +135,13 @@ def ttt_forward(
             step_embed_qkv = embed_qkv[1 + s : 1 + s + n].unsqueeze(0)
         else:
             position = (batch.position[at] + s).unsqueeze(0)
-            step_embed_qkv = gather_rows(embed_qkv, at + 1 + s, at + 1 + s).unsqueeze(0)
+            step_embed_qkv = gather_rows(embed_qkv, at + 1 + s).unsqueeze(0)
         q, k, v, residual = layer_in(model, step_fused[s], step_embed_qkv, hidden, position)
         attn_out = attention(q, [*keys, k], [*values, v], batch.doc, s, scale, at)  # [1, nh, R, hd]
         # squeeze, not [0]: a view in backward too ([0]'s backward fills a zero tensor and copies the gradient in)
         attn_rows = attn_out.squeeze(0).transpose(0, 1)  # [R, nh, hd]
         if s == 0 and rows is not None:  # the rest of the steps at the step rows only
-            attn_rows, residual = gather_rows(attn_rows, rows, rows), gather_rows(residual.squeeze(0), rows, rows)[None]
+            attn_rows, residual = gather_rows(attn_rows, rows), gather_rows(residual.squeeze(0), rows)[None]
         # [1, R, nh * hd], laid out alike at every step: the attention kernel's output (step 0) and the
         # diagonal merge's (later steps, strides of Inductor's choosing) differ, and dynamo guards strides,
         # so each layout would compile layer_out again for every batch length. A view where the rows are
